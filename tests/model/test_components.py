@@ -1,0 +1,93 @@
+"""Model building blocks on random inputs: RoPE, Sinkhorn, the compressor's incremental state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v4compile import V4Config
+from v4compile.model.attention import window_index_decode, window_index_full
+from v4compile.model.cache import V4Cache
+from v4compile.model.compressor import Compressor
+from v4compile.model.init import random_init
+from v4compile.model.mhc import sinkhorn
+from v4compile.model.rope import apply_rope, rope_cos_sin, rope_frequencies
+
+
+@pytest.mark.parametrize("yarn", [0, 64, 65536])
+def test_rope_then_inverse_rope_is_identity(yarn: int) -> None:
+    torch.manual_seed(0)
+    freqs = rope_frequencies(64, 160000.0, yarn, 16.0, 32, 1)
+    x = torch.randn(2, 50, 4, 128, dtype=torch.float32)
+    cos, sin = rope_cos_sin(freqs, torch.arange(50))
+    y = apply_rope(x, cos.unsqueeze(-2), sin.unsqueeze(-2))
+    assert not torch.allclose(y[..., 64:], x[..., 64:])
+    assert torch.equal(y[..., :64], x[..., :64])
+    back = apply_rope(y, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
+    assert torch.allclose(back, x, atol=1e-5)
+
+
+def test_rope_rotates_interleaved_pairs() -> None:
+    freqs = torch.tensor([1.0])
+    x = torch.tensor([[1.0, 0.0]])
+    cos, sin = rope_cos_sin(freqs, torch.tensor([torch.pi / 2]))
+    assert torch.allclose(apply_rope(x, cos, sin), torch.tensor([[0.0, 1.0]]), atol=1e-6)
+
+
+def test_yarn_keeps_fast_dims_and_scales_slow_dims() -> None:
+    plain = rope_frequencies(64, 160000.0, 0, 16.0, 32, 1)
+    yarn = rope_frequencies(64, 160000.0, 65536, 16.0, 32, 1)
+    assert torch.allclose(yarn[0], plain[0])
+    assert torch.allclose(yarn[-1], plain[-1] / 16)
+
+
+def test_sinkhorn_output_is_doubly_stochastic() -> None:
+    """Columns are exact after the last step; rows converge (20 steps suffice at mHC's logit scale)."""
+    torch.manual_seed(0)
+    c = sinkhorn(torch.randn(1000, 4, 4), iters=20, eps=1e-6)
+    assert (c > 0).all()
+    assert torch.allclose(c.sum(-2), torch.ones(1000, 4), atol=1e-5)
+    assert torch.allclose(c.sum(-1), torch.ones(1000, 4), atol=1e-3)
+    wide = torch.randn(1000, 4, 4) * 3
+    err = [(sinkhorn(wide, n, 1e-6).sum(-1) - 1).abs().max() for n in (5, 20, 100)]
+    assert err[0] > err[1] > err[2]
+
+
+def test_window_indices_agree_between_prefill_and_ring() -> None:
+    window = 16
+    full = window_index_full(40, window, torch.device("cpu"))
+    for pos in range(40):
+        ring = window_index_decode(torch.tensor([pos]), window)[0, 0]
+        held = {pos - ((pos - s) % window) for s in ring.tolist() if s >= 0}
+        assert held == {p for p in full[pos].tolist() if p >= 0}
+
+
+def _compressor(ratio: int, rotate: bool) -> Compressor:
+    config = V4Config.preset("tiny")
+    comp = Compressor(config, ratio, config.index_head_dim if rotate else config.head_dim, rotate)
+    random_init(comp, seed=ratio + rotate)
+    return comp
+
+
+@pytest.mark.parametrize(("ratio", "rotate"), [(4, False), (4, True), (128, False)])
+def test_compressor_incremental_state_equals_batch_compression_at_every_remainder(ratio: int, rotate: bool) -> None:
+    """Prefill p tokens, decode the rest one by one: every emitted entry equals batch compression."""
+    torch.manual_seed(0)
+    config = V4Config.preset("tiny", max_seq_len=512)
+    comp = _compressor(ratio, rotate)
+    freqs = rope_frequencies(config.rope_head_dim, config.compress_rope_theta, config.original_seq_len,
+                             config.rope_factor, config.beta_fast, config.beta_slow)
+    total = 2 * ratio + 3
+    x = torch.randn(2, total, config.dim).to(torch.bfloat16)
+    with torch.no_grad():
+        reference = comp.forward_full(x, freqs, None).float()
+        prefixes = range(1, total) if ratio == 4 else [1, ratio - 1, ratio, ratio + 1, 2 * ratio - 1, 2 * ratio]
+        for p in prefixes:
+            cache = V4Cache(config, 2, 512).layers[1 if ratio == 4 else 2]
+            state = cache.indexer if rotate else cache.compressor
+            comp.forward_full(x[:, :p], freqs, state)
+            for t in range(p, total):
+                comp.forward_decode(x[:, t : t + 1], torch.tensor([t, t]), freqs, state)
+            got = state.entries[:, : total // ratio].float()
+            assert torch.allclose(got, reference, atol=2e-2, rtol=2e-2), f"prefix {p}"
+            assert (state.entries[:, total // ratio :] == 0).all()

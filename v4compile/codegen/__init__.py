@@ -1,0 +1,1 @@
+"""Kernel emitters (Triton, TileLang), the kernel registry and the custom-op bindings."""

@@ -1,0 +1,138 @@
+"""Hybrid attention: MQA over a sliding window plus compressed entries (C4 via the indexer, C128 dense).
+
+One 512-d KV entry per token serves as key and value; queries are low-rank with per-head RMS
+scaling; a learned per-head sink enters the softmax denominator; the output is un-rotated and
+projected by grouped low-rank ``wo_a`` then ``wo_b``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import quant
+from .cache import LayerCache
+from .compressor import Compressor
+from .config import V4Config
+from .indexer import Indexer
+from .linear import Linear
+from .norm import RMSNorm
+from .rope import apply_rope, rope_cos_sin, rope_frequencies
+from .sparse_attention import sparse_attention
+
+
+def window_index_full(seqlen: int, window: int, device: torch.device) -> torch.Tensor:
+    """[S, min(S, window)]: query t reads positions max(0, t-window+1)..t; later slots are -1."""
+    t = torch.arange(seqlen, device=device).unsqueeze(1)
+    idx = (t - window + 1).clamp(min=0) + torch.arange(min(seqlen, window), device=device)
+    return torch.where(idx > t, -1, idx)
+
+
+def window_index_decode(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, 1, window]: ring slot s holds position pos - ((pos - s) mod window); -1 where that is < 0."""
+    slots = torch.arange(window, device=positions.device)
+    held = positions.unsqueeze(-1) - torch.remainder(positions.unsqueeze(-1) - slots, window)
+    return torch.where(held >= 0, slots, -1).unsqueeze(1)
+
+
+class Attention(nn.Module):
+    """Official names: attn_sink, wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, compressor, indexer."""
+
+    def __init__(self, config: V4Config, ratio: int) -> None:
+        super().__init__()
+        c = config
+        self.ratio, self.n_heads, self.head_dim, self.rope_dim = ratio, c.n_heads, c.head_dim, c.rope_head_dim
+        self.window, self.groups, self.o_lora_rank, self.eps = c.window_size, c.o_groups, c.o_lora_rank, c.norm_eps
+        self.pow2_scales = c.pow2_scales
+        self.softmax_scale = c.head_dim**-0.5
+        fmt = "fp8" if c.weights_fp8 else "bf16"
+        self.attn_sink = nn.Parameter(torch.zeros(c.n_heads, dtype=torch.float32))
+        self.wq_a = Linear(c.dim, c.q_lora_rank, fmt, c.pow2_scales)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.norm_eps)
+        self.wq_b = Linear(c.q_lora_rank, c.n_heads * c.head_dim, fmt, c.pow2_scales)
+        self.wkv = Linear(c.dim, c.head_dim, fmt, c.pow2_scales)
+        self.kv_norm = RMSNorm(c.head_dim, c.norm_eps)
+        self.wo_a = Linear(c.n_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, "bf16")
+        self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.dim, fmt, c.pow2_scales)
+        self.compressor = Compressor(c, ratio, c.head_dim, rotate=False) if ratio else None
+        self.indexer = Indexer(c, ratio) if ratio == 4 else None
+        if ratio:
+            freqs = rope_frequencies(c.rope_head_dim, c.compress_rope_theta, c.original_seq_len, c.rope_factor,
+                                     c.beta_fast, c.beta_slow)
+        else:
+            freqs = rope_frequencies(c.rope_head_dim, c.rope_theta, 0, c.rope_factor, c.beta_fast, c.beta_slow)
+        self.register_buffer("freqs", freqs, persistent=False)
+
+    # ------------------------------------------------------------------ shared pieces
+    def _queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)
+        return apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)), qr
+
+    def _window_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        nope = quant.fp8_simulate(kv[..., : -self.rope_dim], quant.FP8_KV_BLOCK, self.pow2_scales)
+        return torch.cat((nope, kv[..., -self.rope_dim :]), dim=-1)
+
+    def _output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        o = apply_rope(o, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
+        o = o.flatten(2).unflatten(-1, (self.groups, -1))
+        wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)
+        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        return self.wo_b(o.flatten(2))
+
+    # ------------------------------------------------------------------ full sequence / prefill
+    def forward_full(self, x: torch.Tensor, cache: LayerCache | None) -> torch.Tensor:
+        """Attention for a whole sequence starting at position 0; fills ``cache`` when given (prefill)."""
+        bsz, seqlen, _ = x.shape
+        cos, sin = rope_cos_sin(self.freqs, torch.arange(seqlen, device=x.device))
+        q, qr = self._queries(x, cos, sin)
+        kv = self._window_kv(x, cos, sin)
+        index = window_index_full(seqlen, self.window, x.device).expand(bsz, -1, -1)
+        keys = kv
+        if self.ratio:
+            entries = self.compressor.forward_full(x, self.freqs, cache.compressor if cache else None)
+            if self.indexer is not None:
+                chosen = self.indexer.forward_full(x, qr, cos, sin, self.freqs, cache.indexer if cache else None)
+            else:
+                count = (torch.arange(1, seqlen + 1, device=x.device) // self.ratio).unsqueeze(-1)
+                ids = torch.arange(entries.shape[1], device=x.device).expand(seqlen, -1)
+                chosen = torch.where(ids < count, ids, -1).expand(bsz, -1, -1)
+            index = torch.cat((index, torch.where(chosen >= 0, chosen + seqlen, -1)), dim=-1)
+            keys = torch.cat((kv, entries), dim=1)
+        if cache is not None:
+            self._store_window(kv, cache)
+        o = sparse_attention(q, keys, self.attn_sink, index, self.softmax_scale)
+        return self._output(o, cos, sin)
+
+    def _store_window(self, kv: torch.Tensor, cache: LayerCache) -> None:
+        """Writes the last ``window`` positions of a prefill into their ring slots (slot = pos mod window)."""
+        bsz, seqlen, _ = kv.shape
+        keep = min(seqlen, self.window)
+        slots = torch.arange(seqlen - keep, seqlen, device=kv.device) % self.window
+        cache.window[:bsz, slots] = kv[:, seqlen - keep :]
+
+    # ------------------------------------------------------------------ decode
+    def forward_decode(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """Attention for one token per row (x [B, 1, D]) at ``positions`` [B], reading and updating ``cache``."""
+        bsz = x.shape[0]
+        rows = torch.arange(bsz, device=x.device)
+        cos, sin = rope_cos_sin(self.freqs, positions.unsqueeze(-1))
+        q, qr = self._queries(x, cos, sin)
+        kv = self._window_kv(x, cos, sin)
+        cache.window[rows, positions % self.window] = kv[:, 0]
+        index = window_index_decode(positions, self.window)
+        keys = cache.window[:bsz]
+        if self.ratio:
+            self.compressor.forward_decode(x, positions, self.freqs, cache.compressor)
+            entries = cache.compressor.entries[:bsz]
+            if self.indexer is not None:
+                chosen = self.indexer.forward_decode(x, qr, positions, cos, sin, self.freqs, cache.indexer)
+            else:
+                ids = torch.arange(entries.shape[1], device=x.device).view(1, 1, -1)
+                chosen = torch.where(ids < ((positions + 1) // self.ratio).view(bsz, 1, 1), ids, -1)
+            index = torch.cat((index, torch.where(chosen >= 0, chosen + self.window, -1)), dim=-1)
+            keys = torch.cat((keys, entries), dim=1)
+        o = sparse_attention(q, keys, self.attn_sink, index, self.softmax_scale)
+        return self._output(o, cos, sin)

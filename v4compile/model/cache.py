@@ -1,0 +1,92 @@
+"""Decode caches: plain tensors addressed by index tensors, owned by one object the caller passes in.
+
+Per layer: the sliding-window ring (``window`` slots, slot = position mod window), the compressed
+entries of the main compressor, and for C4 layers the indexer keys; per compressor its incremental
+state (fp32 kv and score rows of the block in progress, and for the overlapping C4 compressor the
+previous block too). Batch row b is one sequence; positions are per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import V4Config
+
+
+@dataclass
+class CompressorCache:
+    """Emitted entries ``[B, max_seq_len // ratio, width]`` plus the fp32 state of the open block."""
+
+    entries: torch.Tensor
+    kv_state: torch.Tensor
+    score_state: torch.Tensor
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """Clears the given batch rows (a new sequence starts there)."""
+        self.entries[rows] = 0
+        self.kv_state[rows] = 0
+        self.score_state[rows] = float("-inf")
+
+
+@dataclass
+class LayerCache:
+    """One attention layer's cache: the window ring and, if the layer compresses, its compressors."""
+
+    window: torch.Tensor
+    compressor: CompressorCache | None = None
+    indexer: CompressorCache | None = None
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """Clears the given batch rows."""
+        self.window[rows] = 0
+        for c in (self.compressor, self.indexer):
+            if c is not None:
+                c.reset_rows(rows)
+
+
+def _compressor_cache(
+    batch: int, max_seq_len: int, ratio: int, width: int, device: torch.device | None
+) -> CompressorCache:
+    c = 2 if ratio == 4 else 1
+    return CompressorCache(
+        entries=torch.zeros(batch, max_seq_len // ratio, width, dtype=torch.bfloat16, device=device),
+        kv_state=torch.zeros(batch, c * ratio, c * width, dtype=torch.float32, device=device),
+        score_state=torch.full((batch, c * ratio, c * width), float("-inf"), dtype=torch.float32, device=device),
+    )
+
+
+class V4Cache:
+    """All layer caches of one model for ``batch_size`` sequences of at most ``max_seq_len`` tokens."""
+
+    def __init__(self, config: V4Config, batch_size: int, max_seq_len: int | None = None,
+                 device: torch.device | str | None = None) -> None:
+        self.batch_size = batch_size
+        self.max_seq_len = max_seq_len or config.max_seq_len
+        device = torch.device(device) if device is not None else None
+        self.layers: list[LayerCache] = []
+        for ratio in config.layer_ratios:
+            window = torch.zeros(batch_size, config.window_size, config.head_dim, dtype=torch.bfloat16, device=device)
+            layer = LayerCache(window=window)
+            if ratio:
+                layer.compressor = _compressor_cache(batch_size, self.max_seq_len, ratio, config.head_dim, device)
+            if ratio == 4:
+                layer.indexer = _compressor_cache(batch_size, self.max_seq_len, ratio, config.index_head_dim, device)
+            self.layers.append(layer)
+
+    def reset(self, rows: list[int] | None = None) -> None:
+        """Clears the given batch rows (all when None) so new sequences can start there."""
+        index = torch.arange(self.batch_size) if rows is None else torch.tensor(rows, dtype=torch.long)
+        for layer in self.layers:
+            layer.reset_rows(index.to(layer.window.device))
+
+    def nbytes(self) -> int:
+        """Bytes held by every cache tensor."""
+        total = 0
+        for layer in self.layers:
+            total += layer.window.nbytes
+            for c in (layer.compressor, layer.indexer):
+                if c is not None:
+                    total += c.entries.nbytes + c.kv_state.nbytes + c.score_state.nbytes
+        return total

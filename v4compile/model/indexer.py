@@ -1,0 +1,78 @@
+"""The lightning indexer of C4 layers: scores compressed entries per query and keeps the top k."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import quant
+from .cache import CompressorCache
+from .compressor import Compressor
+from .config import V4Config
+from .hadamard import hadamard_rotate
+from .linear import Linear
+from .rope import apply_rope
+
+
+class Indexer(nn.Module):
+    """Official names: ``wq_b``, ``weights_proj`` (bf16), ``compressor`` (width index_head_dim, rotating)."""
+
+    def __init__(self, config: V4Config, ratio: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk, self.ratio = (
+            config.index_n_heads, config.index_head_dim, config.index_topk, ratio)
+        fmt = "fp8" if config.weights_fp8 else "bf16"
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, fmt, config.pow2_scales)
+        self.weights_proj = Linear(config.dim, self.n_heads, "bf16")
+        self.compressor = Compressor(config, ratio, self.head_dim, rotate=True)
+        self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
+
+    def queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Indexer queries [B, S, H_I, d_I]: projected, rotated (RoPE, Hadamard), FP4-simulated."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        return quant.fp4_simulate(hadamard_rotate(q))
+
+    def scores(self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``I[b, s, j] = sum_h w[b, s, h] * relu(q[b, s, h] . k[b, j])``, [B, S, N] (fp32 out).
+
+        Computed in bf16 like the official indexer: its top-k ties and near-ties depend on that rounding."""
+        weights = self.weights_proj(x) * self.weight_scale
+        dots = torch.einsum("bshd,bnd->bshn", q, keys.to(q.dtype)).relu()
+        return (dots * weights.unsqueeze(-1)).sum(dim=2).float()
+
+    def select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Top-k entry ids among visible ones [B, S, min(topk, N)], ties to the lowest id; -1 fills missing slots.
+
+        The tie rule matters: the bf16 scores tie often, and prefill and decode must choose alike."""
+        k = min(self.topk, scores.shape[-1])
+        masked = scores.masked_fill(~visible, float("-inf"))
+        values, ids = masked.sort(dim=-1, descending=True, stable=True)
+        return torch.where(values[..., :k] == float("-inf"), -1, ids[..., :k])
+
+    def forward_full(
+        self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, freqs: torch.Tensor,
+        cache: CompressorCache | None,
+    ) -> torch.Tensor:
+        """Selected entry ids [B, S, k] for a sequence starting at position 0."""
+        seqlen = x.shape[1]
+        keys = self.compressor.forward_full(x, freqs, cache)
+        q = self.queries(qr, cos, sin)
+        scores = self.scores(x, q, keys)
+        count = (torch.arange(1, seqlen + 1, device=x.device) // self.ratio).unsqueeze(-1)
+        visible = torch.arange(keys.shape[1], device=x.device) < count
+        return self.select(scores, visible.unsqueeze(0))
+
+    def forward_decode(
+        self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        freqs: torch.Tensor, cache: CompressorCache,
+    ) -> torch.Tensor:
+        """Selected entry ids [B, 1, k] for one token per row at ``positions`` [B]."""
+        bsz = x.shape[0]
+        self.compressor.forward_decode(x, positions, freqs, cache)
+        keys = cache.entries[:bsz]
+        q = self.queries(qr, cos, sin)
+        scores = self.scores(x, q, keys)
+        count = ((positions + 1) // self.ratio).view(bsz, 1, 1)
+        visible = torch.arange(keys.shape[1], device=x.device).view(1, 1, -1) < count
+        return self.select(scores, visible)

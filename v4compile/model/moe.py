@@ -1,0 +1,93 @@
+"""Mixture of experts: sqrt-softplus router (aux-free bias or hash table), clamped SwiGLU experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import V4Config
+from .linear import Linear, WeightFormat
+
+
+class Gate(nn.Module):
+    """Official names: ``weight`` (bf16) and ``bias`` (fp32), or ``tid2eid`` (int32) for hash layers."""
+
+    def __init__(self, config: V4Config, hashed: bool) -> None:
+        super().__init__()
+        self.topk, self.route_scale, self.hashed = config.n_activated_experts, config.route_scale, hashed
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.dim, dtype=torch.bfloat16))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.topk, dtype=torch.int32))
+            self.bias = None
+        else:
+            self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
+            self.tid2eid = None
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights [T, k] (fp32) and expert ids [T, k] for tokens x [T, D] with ids [T]."""
+        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
+        if self.hashed:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            ids = (scores + self.bias).topk(self.topk, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        weights = weights / weights.sum(dim=-1, keepdim=True) * self.route_scale
+        return weights, ids
+
+
+class Expert(nn.Module):
+    """``w2(weight * silu(min(w1 x, L)) * clamp(w3 x, -L, L))`` with fp32 activation math."""
+
+    def __init__(self, dim: int, inter_dim: int, fmt: WeightFormat, pow2_scales: bool, limit: float) -> None:
+        super().__init__()
+        self.w1 = Linear(dim, inter_dim, fmt, pow2_scales)
+        self.w2 = Linear(inter_dim, dim, fmt, pow2_scales)
+        self.w3 = Linear(dim, inter_dim, fmt, pow2_scales)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert output for tokens x [T, D], scaled inside by the routing ``weight`` [T, 1] when given."""
+        gate = self.w1(x).float()
+        up = self.w3(x).float()
+        if self.limit > 0:
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(-self.limit, self.limit)
+        h = F.silu(gate) * up
+        if weight is not None:
+            h = weight * h
+        return self.w2(h.to(x.dtype))
+
+
+class MoE(nn.Module):
+    """Official names: ``gate``, ``experts.{e}``, ``shared_experts``."""
+
+    def __init__(self, config: V4Config, hashed: bool) -> None:
+        super().__init__()
+        self.dim, self.n_experts = config.dim, config.n_routed_experts
+        dense_fmt: WeightFormat = "fp8" if config.weights_fp8 else "bf16"
+        expert_fmt: WeightFormat = "fp4" if config.expert_dtype == "fp4" else dense_fmt
+        limit = config.swiglu_limit
+        self.gate = Gate(config, hashed)
+        self.experts = nn.ModuleList(
+            Expert(config.dim, config.moe_inter_dim, expert_fmt, config.pow2_scales, limit)
+            for _ in range(config.n_routed_experts)
+        )
+        self.shared_experts = Expert(config.dim, config.moe_inter_dim, dense_fmt, config.pow2_scales, limit)
+
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights and expert ids for x [B, S, D]."""
+        return self.gate(x.reshape(-1, self.dim), input_ids.reshape(-1))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """MoE output for x [B, S, D] (bf16). Every expert runs on every token with its routing weight
+        (zero when not chosen): static shapes, no host syncs; the compiler replaces this dispatch."""
+        flat = x.reshape(-1, self.dim)
+        weights, ids = self.route(x, input_ids)
+        combine = torch.zeros(flat.shape[0], self.n_experts, dtype=torch.float32, device=x.device)
+        combine = combine.scatter(1, ids, weights)
+        y = torch.zeros(flat.shape, dtype=torch.float32, device=x.device)
+        for e, expert in enumerate(self.experts):
+            y = y + expert(flat, combine[:, e : e + 1]).float()
+        y = y + self.shared_experts(flat).float()
+        return y.to(x.dtype).view(x.shape)

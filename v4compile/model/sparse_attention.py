@@ -1,0 +1,25 @@
+"""Sparse MQA with an attention sink: each query reads the KV entries named by an index tensor."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sparse_attention(
+    q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, index: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attends ``q`` [B, S, H, d] over ``kv[b, index[b, s, :]]`` (one entry is key and value).
+
+    ``kv`` is [B, N, d]; ``index`` [B, S, K] (-1 = masked; duplicates count twice). Scores are fp32;
+    the per-head ``sink`` [H] enters only the softmax denominator. Returns [B, S, H, d] in q's dtype.
+    """
+    bsz, seqlen, k = index.shape
+    valid = index >= 0
+    gather = index.clamp(min=0).reshape(bsz, seqlen * k, 1).expand(-1, -1, kv.shape[-1])
+    keys = torch.gather(kv, 1, gather).view(bsz, seqlen, k, -1).float()
+    scores = torch.einsum("bshd,bskd->bshk", q.float(), keys) * scale
+    scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    sink_logits = sink.float().view(1, 1, -1, 1).expand(bsz, seqlen, -1, 1)
+    probs = torch.cat((scores, sink_logits), dim=-1).softmax(dim=-1)[..., :k]
+    out = torch.einsum("bshk,bskd->bshd", probs, keys)
+    return out.to(q.dtype)

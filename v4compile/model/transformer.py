@@ -1,0 +1,149 @@
+"""DeepSeekV4: the whole model (embedding, mHC blocks, head, MTP) serving three uses with one set of weights.
+
+- ``model(ids)``: full-sequence logits (training, scoring);
+- ``model(ids, cache=cache)``: the same, and fills ``cache`` (prefill);
+- ``model.decode_step(ids, positions, cache)``: one token per row against the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .block import Block
+from .cache import V4Cache
+from .config import V4Config
+from .linear import Linear
+from .mhc import hc_head
+from .mtp import MTPBlock
+from .norm import RMSNorm
+
+
+class InputError(ValueError):
+    """Model inputs that do not fit the model or its cache."""
+
+
+class Embedding(nn.Module):
+    """Token embedding with a bf16 ``weight`` [vocab, dim]."""
+
+    def __init__(self, vocab_size: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(vocab_size, dim, dtype=torch.bfloat16))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embeds token ids."""
+        return F.embedding(ids, self.weight)
+
+
+class DeepSeekV4(nn.Module):
+    """The reference DeepSeek-V4 model. ``seed`` gives a seeded random init (None leaves zeros for loading)."""
+
+    def __init__(self, config: V4Config, *, seed: int | None = 0, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        c = self.config = config
+        with torch.device(device or "cpu"):
+            self.embed = Embedding(c.vocab_size, c.dim)
+            self.layers = nn.ModuleList(Block(c, r, hashed=i < c.n_hash_layers) for i, r in enumerate(c.layer_ratios))
+            self.norm = RMSNorm(c.dim, c.norm_eps)
+            self.head = Linear(c.dim, c.vocab_size, "fp32")
+            self.hc_head_fn = nn.Parameter(torch.zeros(c.hc_mult, c.hc_mult * c.dim, dtype=torch.float32))
+            self.hc_head_base = nn.Parameter(torch.zeros(c.hc_mult, dtype=torch.float32))
+            self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+            self.mtp = nn.ModuleList(MTPBlock(c, k) for k in range(c.n_mtp_layers))
+        if seed is not None and str(device) != "meta":
+            from .init import random_init
+
+            random_init(self, seed)
+
+    # ------------------------------------------------------------------ input checks (eager only)
+    def _check_ids(self, input_ids: torch.Tensor, name: str = "input_ids") -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise InputError(f"{name} must be a 2-D integer tensor [batch, seq], got {_describe(input_ids)}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"{name} must have an integer dtype, got {input_ids.dtype}")
+        if input_ids.shape[1] == 0:
+            raise InputError(f"{name} is empty (sequence length 0)")
+        if torch.compiler.is_compiling() or input_ids.numel() == 0:
+            return
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InputError(f"{name} holds token id {bad} outside the vocabulary [0, {self.config.vocab_size})")
+
+    def _check_length(self, seqlen: int, cache: V4Cache | None) -> None:
+        limit = cache.max_seq_len if cache is not None else self.config.max_seq_len
+        if seqlen > limit:
+            raise InputError(f"sequence of {seqlen} tokens is longer than the configured maximum {limit} "
+                             f"(max_seq_len)")
+
+    def _check_cache(self, cache: V4Cache, batch: int) -> None:
+        if not isinstance(cache, V4Cache):
+            raise InputError(f"cache must be a V4Cache (model.new_cache), got {type(cache).__name__}")
+        if cache.batch_size < batch or len(cache.layers) != len(self.layers):
+            raise InputError(f"cache holds {cache.batch_size} rows for {len(cache.layers)} layers; "
+                             f"need {batch} rows for {len(self.layers)} layers")
+
+    # ------------------------------------------------------------------ public API
+    def new_cache(self, batch_size: int, max_seq_len: int | None = None,
+                  device: torch.device | str | None = None) -> V4Cache:
+        """An empty decode cache for ``batch_size`` sequences (on the model's device by default)."""
+        return V4Cache(self.config, batch_size, max_seq_len, device or self.embed.weight.device)
+
+    def hidden_states(self, input_ids: torch.Tensor, cache: V4Cache | None = None) -> torch.Tensor:
+        """Final mHC streams [B, S, hc_mult, dim] of a full sequence; fills ``cache`` when given (prefill)."""
+        self._check_ids(input_ids)
+        self._check_length(input_ids.shape[1], cache)
+        if cache is not None:
+            self._check_cache(cache, input_ids.shape[0])
+        x = self.embed(input_ids).unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, input_ids, cache.layers[i] if cache is not None else None)
+        return x
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from final streams: mHC head, final RMSNorm, output head."""
+        h = hc_head(streams, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.config.hc_eps,
+                    self.config.norm_eps)
+        return self.head(self.norm(h))
+
+    def forward(self, input_ids: torch.Tensor, cache: V4Cache | None = None) -> torch.Tensor:
+        """fp32 logits [B, S, vocab] at every position; fills ``cache`` when given (prefill from position 0)."""
+        return self.logits(self.hidden_states(input_ids, cache))
+
+    def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: V4Cache) -> torch.Tensor:
+        """Logits [B, 1, vocab] for one new token per row at ``positions`` [B], reading and updating ``cache``."""
+        self._check_ids(input_ids)
+        self._check_cache(cache, input_ids.shape[0])
+        if input_ids.shape[1] != 1:
+            raise InputError(f"decode_step takes one token per row, got input_ids of shape {tuple(input_ids.shape)}")
+        if positions.shape != (input_ids.shape[0],):
+            raise InputError(f"positions must have shape [{input_ids.shape[0]}], got {tuple(positions.shape)}")
+        if not torch.compiler.is_compiling() and int(positions.max()) >= cache.max_seq_len:
+            raise InputError(f"position {int(positions.max())} is beyond the cache's maximum length "
+                             f"{cache.max_seq_len} (max_seq_len)")
+        x = self.embed(input_ids).unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, input_ids, cache.layers[i], positions)
+        return self.logits(x)
+
+    def mtp_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor, k: int = 0) -> torch.Tensor:
+        """Logits [B, S, vocab] of MTP block ``k`` from main-model streams ``hidden`` [B, S, n, D] and ``input_ids``."""
+        self._check_ids(input_ids)
+        if not 0 <= k < len(self.mtp):
+            raise InputError(f"MTP block {k} does not exist; the model has {len(self.mtp)}")
+        want = (*input_ids.shape, self.config.hc_mult, self.config.dim)
+        if tuple(hidden.shape) != want:
+            raise InputError(f"hidden must have shape {want} to match input_ids, got {tuple(hidden.shape)}")
+        block = self.mtp[k]
+        x = block.streams(self.embed(input_ids), hidden.to(torch.bfloat16))
+        x = block(x, input_ids)
+        h = hc_head(x, block.hc_head_fn, block.hc_head_scale, block.hc_head_base, self.config.hc_eps,
+                    self.config.norm_eps)
+        return self.head(block.norm(h))
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return type(x).__name__

@@ -1,0 +1,1 @@
+"""Graph passes over the captured model and the pass manager that runs them (see DESIGN.md)."""
