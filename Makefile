@@ -19,11 +19,11 @@ demo: $(STAMP)
 	$(VENV)/bin/v4compile demo
 
 test: $(STAMP)
-	$(PY) -m ruff check v4compile tests examples benchmarks
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(PY) -m ruff check v4compile tests examples benchmarks
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

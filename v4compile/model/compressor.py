@@ -20,14 +20,14 @@ from .norm import RMSNorm
 from .rope import apply_rope, rope_cos_sin
 
 
-def pool_blocks(kv: torch.Tensor, score: torch.Tensor, ratio: int, width: int) -> torch.Tensor:
-    """Pools complete blocks: kv/score ``[B, N*ratio, c*width]`` (score already has ``ape``) -> ``[B, N, width]``.
+def pool_blocks(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, width: int) -> torch.Tensor:
+    """Pools complete blocks: kv/score ``[B, N*ratio, c*width]`` plus ``ape`` [ratio, c*width] -> ``[B, N, width]``.
 
     The overlapping form (c = 2) puts block j-1's first half and block j's second half into one
     softmax of 2*ratio slots per dim; block -1 contributes kv 0 at score -inf.
     """
     kv = kv.unflatten(1, (-1, ratio))
-    score = score.unflatten(1, (-1, ratio))
+    score = score.unflatten(1, (-1, ratio)) + ape
     if kv.shape[-1] == 2 * width:
         kv = torch.cat((_shift_blocks(kv[..., :width], 0.0), kv[..., width:]), dim=2)
         score = torch.cat((_shift_blocks(score[..., :width], float("-inf")), score[..., width:]), dim=2)
@@ -71,8 +71,7 @@ class Compressor(nn.Module):
         score = self.wgate(x)
         n = seqlen // self.ratio
         cutoff = n * self.ratio
-        ape = self.ape.repeat(n, 1)
-        pooled = pool_blocks(kv[:, :cutoff], score[:, :cutoff] + ape, self.ratio, self.width)
+        pooled = pool_blocks(kv[:, :cutoff], score[:, :cutoff], self.ape, self.ratio, self.width)
         entry_pos = torch.arange(n, device=x.device) * self.ratio
         entries = self.finish(pooled, entry_pos, freqs)
         if cache is not None:
