@@ -1,6 +1,18 @@
 """v4compile: a compiler and runtime for DeepSeek-V4-class models."""
 
+import os
+import sys
+
+import torch
+
+# Without a GPU, generated Triton kernels run in Triton's interpreter, which must be chosen before
+# triton is first imported.
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from .model import ConfigError, DeepSeekV4, InputError, V4Cache, V4Config
 from .model.checkpoint import CheckpointError, load
+from .optimize import OptimizedModel, optimize
 
-__all__ = ["CheckpointError", "ConfigError", "DeepSeekV4", "InputError", "V4Cache", "V4Config", "load"]
+__all__ = ["CheckpointError", "ConfigError", "DeepSeekV4", "InputError", "OptimizedModel", "V4Cache", "V4Config",
+           "load", "optimize"]

@@ -1,0 +1,75 @@
+"""The ``v4compile`` torch.compile backend: Dynamo capture -> ATen graph -> our passes -> Inductor.
+
+Dynamo hands over a torch-level graph; it is retraced into a pre-dispatch ATen graph (autograd not yet
+applied, so a rewrite into a custom op with an autograd formula is valid for training), rewritten by
+the pass manager, then compiled by Inductor, which runs AOTAutograd (forward and backward graphs)
+and compiles everything the passes did not claim. With ``inductor=False`` or a numerics check the
+rewritten graph runs as is (eagerly), which is what the debugging tools use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .passes import build_passes
+from .passes.manager import PassManager
+
+
+def to_aten(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
+    """Retraces a Dynamo graph into pre-dispatch ATen ops, keeping source locations in node metadata."""
+    fake_mode = detect_fake_mode(example_inputs)
+    runner = lambda *args: fx.Interpreter(gm).run(*args)  # noqa: E731
+    if fake_mode is None:
+        with fx_traceback.preserve_node_meta():
+            return make_fx(runner, pre_dispatch=True, tracing_mode="fake")(*example_inputs)
+    previous = fake_mode.allow_non_fake_inputs
+    fake_mode.allow_non_fake_inputs = True
+    try:
+        with fake_mode, fx_traceback.preserve_node_meta():
+            return make_fx(runner, pre_dispatch=True)(*example_inputs)
+    finally:
+        fake_mode.allow_non_fake_inputs = previous
+
+
+def make_backend(manager: PassManager, inductor: bool = True,
+                 captured: list[fx.GraphModule] | None = None) -> Callable[..., Any]:
+    """A torch.compile backend running ``manager``; ``captured`` collects the pre-pass ATen graphs."""
+
+    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        aten_gm = to_aten(gm, example_inputs)
+        if captured is not None:
+            captured.append(_copy(aten_gm))
+        rewritten, _ = manager.run(aten_gm)
+        if not inductor or manager.check:
+            return rewritten
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(rewritten, example_inputs)
+
+    return backend
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    import copy
+
+    return fx.GraphModule(gm, copy.deepcopy(gm.graph))
+
+
+def _default_backend(gm: fx.GraphModule, example_inputs: list[Any], **options: Any) -> Callable[..., Any]:
+    """``torch.compile(fn, backend="v4compile", options={...})``: every pass, auto kernel backend."""
+    from .optimize import resolve_backend
+
+    manager = PassManager(build_passes(options.get("passes")), backend=resolve_backend(options.get("backend", "auto")),
+                          disable=tuple(options.get("disable", ())), debug_dir=options.get("debug_dir"),
+                          check=bool(options.get("check", False)))
+    return make_backend(manager, inductor=options.get("inductor", True))(gm, example_inputs)
+
+
+torch._dynamo.register_backend(name="v4compile")(_default_backend)

@@ -1,0 +1,132 @@
+"""The custom ops that rewrites become: torch.library ops with fake and autograd registrations whose
+bodies are generated kernels chosen by the ``backend`` argument (visible in every dumped graph)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import reference
+from .registry import with_fallback
+
+KERNEL_BACKENDS = ("triton", "tilelang", "reference")
+
+
+def _fast_impl(op: str, backend: str) -> Callable[..., Any] | None:
+    if backend == "reference":
+        return None
+    if backend == "tilelang":
+        from .tilelang import IMPLEMENTATIONS as tilelang_impls
+
+        if op in tilelang_impls:
+            return tilelang_impls[op]
+    from .triton import compressor, radix_topk
+
+    return {"compressor_pool": compressor.compressor_pool,
+            "compressor_pool_state": compressor.compressor_pool_state,
+            "radix_topk": radix_topk.radix_topk}[op]
+
+
+def _run(op: str, backend: str, *args: Any) -> Any:
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; valid: {KERNEL_BACKENDS}")
+    ref = getattr(reference, op)
+    fast = _fast_impl(op, backend)
+    if fast is None:
+        return ref(*args)
+    return with_fallback(f"{op} ({backend})", lambda: fast(*args), lambda: ref(*args))
+
+
+# ----------------------------------------------------------------------------- compressor_pool
+@torch.library.custom_op("v4compile::compressor_pool", mutates_args=())
+def compressor_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, width: int,
+                    n_blocks: int, backend: str) -> torch.Tensor:
+    """Compressed entries [B, n_blocks, width] (fp32, fp64 for fp64 inputs): bias, per-dim softmax over each block's tokens, sum."""
+    return _run("compressor_pool", backend, kv, score, ape, ratio, width, n_blocks)
+
+
+@compressor_pool.register_fake
+def _(kv, score, ape, ratio, width, n_blocks, backend):
+    return kv.new_empty(kv.shape[0], n_blocks, width, dtype=reference.accumulation_dtype(kv))
+
+
+def _pool_setup(ctx, inputs, output):
+    kv, score, ape, ratio, width, n_blocks, _ = inputs
+    ctx.save_for_backward(kv, score, ape)
+    ctx.args = (ratio, width, n_blocks)
+
+
+def _pool_backward(ctx, grad):
+    kv, score, ape = ctx.saved_tensors
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (kv, score, ape)]
+        out = reference.compressor_pool(*leaves, *ctx.args)
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else [])
+    return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None, None)
+
+
+compressor_pool.register_autograd(_pool_backward, setup_context=_pool_setup)
+
+
+# ----------------------------------------------------------------------------- compressor_pool_state
+@torch.library.custom_op("v4compile::compressor_pool_state", mutates_args=())
+def compressor_pool_state(kv_state: torch.Tensor, score_state: torch.Tensor, ratio: int, width: int,
+                          backend: str) -> torch.Tensor:
+    """One pooled entry [B, width] (fp32) from the decode state of the open (and previous) block."""
+    return _run("compressor_pool_state", backend, kv_state, score_state, ratio, width)
+
+
+@compressor_pool_state.register_fake
+def _(kv_state, score_state, ratio, width, backend):
+    return kv_state.new_empty(kv_state.shape[0], width, dtype=reference.accumulation_dtype(kv_state))
+
+
+def _state_setup(ctx, inputs, output):
+    kv_state, score_state, ratio, width, _ = inputs
+    ctx.save_for_backward(kv_state, score_state)
+    ctx.args = (ratio, width)
+
+
+def _state_backward(ctx, grad):
+    kv_state, score_state = ctx.saved_tensors
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (kv_state, score_state)]
+        out = reference.compressor_pool_state(*leaves, *ctx.args)
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else [])
+    return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None)
+
+
+compressor_pool_state.register_autograd(_state_backward, setup_context=_state_setup)
+
+
+# ----------------------------------------------------------------------------- radix_topk
+@torch.library.custom_op("v4compile::radix_topk", mutates_args=())
+def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of the last dim, descending, ties to the lowest index (-1 for -inf if ``mask_invalid``)."""
+    return _run("radix_topk", backend, x, k, mask_invalid)
+
+
+@radix_topk.register_fake
+def _(x, k, mask_invalid, backend):
+    shape = (*x.shape[:-1], k)
+    return x.new_empty(shape), x.new_empty(shape, dtype=torch.long)
+
+
+def _topk_setup(ctx, inputs, output):
+    ctx.shape = inputs[0].shape
+    ctx.save_for_backward(output[1])
+
+
+def _topk_backward(ctx, grad_values, grad_ids):
+    (ids,) = ctx.saved_tensors
+    grad = grad_values.new_zeros(ctx.shape)
+    keep = ids >= 0
+    grad.scatter_add_(-1, ids.clamp(min=0), torch.where(keep, grad_values, 0))
+    return grad, None, None, None
+
+
+radix_topk.register_autograd(_topk_backward, setup_context=_topk_setup)

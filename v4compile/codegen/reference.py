@@ -1,0 +1,42 @@
+"""Reference (plain PyTorch) bodies of the custom ops: the model's own math, used as fallback and oracle."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.compressor import pool_blocks
+
+
+def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp32 for reduced-precision inputs, fp64 stays fp64 (for gradcheck)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def compressor_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, width: int,
+                    n_blocks: int) -> torch.Tensor:
+    """Pooled entries [B, n_blocks, width] from the first ``n_blocks * ratio`` tokens of kv/score [B, S, c*width]."""
+    cutoff, acc = n_blocks * ratio, accumulation_dtype(kv)
+    return pool_blocks(kv[:, :cutoff].to(acc), score[:, :cutoff].to(acc), ape.to(acc), ratio, width)
+
+
+def compressor_pool_state(kv_state: torch.Tensor, score_state: torch.Tensor, ratio: int, width: int) -> torch.Tensor:
+    """Pooled entry [B, width] from a decode state [B, c*ratio, c*width] whose scores already hold ``ape``."""
+    if kv_state.shape[-1] == 2 * width:
+        kv = torch.cat((kv_state[:, :ratio, :width], kv_state[:, ratio:, width:]), dim=1)
+        score = torch.cat((score_state[:, :ratio, :width], score_state[:, ratio:, width:]), dim=1)
+    else:
+        kv, score = kv_state, score_state
+    acc = accumulation_dtype(kv)
+    return (kv.to(acc) * score.to(acc).softmax(dim=1)).sum(dim=1)
+
+
+def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest along the last dim, sorted descending, ties to the lowest index.
+
+    With ``mask_invalid`` the index of a -inf value is -1 (fewer than k real candidates).
+    """
+    values, ids = x.sort(dim=-1, descending=True, stable=True)
+    values, ids = values[..., :k], ids[..., :k]
+    if mask_invalid:
+        ids = torch.where(values == float("-inf"), -1, ids)
+    return values, ids

@@ -1,0 +1,118 @@
+"""The kernel registry: every generated kernel with a stable name, its source, launch configuration,
+the graph region it replaced, and a disk cache keyed by the hash of its source."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def cache_dir() -> Path:
+    """Where generated kernel sources live (``V4COMPILE_CACHE`` or ``~/.cache/v4compile/kernels``)."""
+    root = os.environ.get("V4COMPILE_CACHE") or Path.home() / ".cache" / "v4compile" / "kernels"
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@dataclass
+class KernelRecord:
+    """What a user may inspect about one kernel."""
+
+    name: str
+    backend: str
+    op: str
+    source: str
+    source_hash: str
+    path: str
+    lowered: str | None = None
+    launch: dict[str, Any] = field(default_factory=dict)
+    regions: list[str] = field(default_factory=list)
+    error: str | None = None
+    launches: int = 0
+
+
+class KernelBuildError(RuntimeError):
+    """A generated kernel that could not be built."""
+
+
+class KernelRegistry:
+    """Builds kernels from generated source once per source hash and remembers them by stable name."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, KernelRecord] = {}
+        self._kernels: dict[str, Any] = {}
+        self._failed: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def build(self, name: str, backend: str, op: str, source: str,
+              loader: Callable[[Path], Any]) -> Any:
+        """Returns the kernel object for ``source``, writing it to the disk cache and loading it on first use."""
+        digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+        key = f"{name}:{digest}"
+        with self._lock:
+            if key in self._kernels:
+                return self._kernels[key]
+            if key in self._failed:
+                raise KernelBuildError(f"kernel {name} failed to build: {self._failed[key]}")
+            path = cache_dir() / f"{name.replace('.', '_')}_{digest}.py"
+            if not path.exists() or path.read_text() != source:
+                path.write_text(source)
+            record = self.records.get(name) or KernelRecord(name, backend, op, source, digest, str(path))
+            record.source, record.source_hash, record.path = source, digest, str(path)
+            self.records[name] = record
+            try:
+                kernel = loader(path)
+            except Exception as exc:  # any build failure becomes a reported fallback
+                record.error = self._failed[key] = f"{type(exc).__name__}: {exc}"
+                raise KernelBuildError(f"kernel {name} failed to build: {record.error}") from exc
+            self._kernels[key] = kernel
+            return kernel
+
+    def note_launch(self, name: str, **launch: Any) -> None:
+        """Records the launch configuration of the latest launch of ``name``."""
+        record = self.records.get(name)
+        if record is not None:
+            record.launch = launch
+            record.launches += 1
+
+    def note_region(self, name: str, region: str) -> None:
+        """Records that ``name`` replaced the graph region described by ``region``."""
+        record = self.records.get(name)
+        if record is not None and region not in record.regions:
+            record.regions.append(region)
+
+    def set_lowered(self, name: str, lowered: str) -> None:
+        """Stores the backend's lowered code (PTX/TTGIR, or TileLang's generated C/CUDA)."""
+        if name in self.records:
+            self.records[name].lowered = lowered
+
+
+REGISTRY = KernelRegistry()
+
+
+def load_module(path: Path) -> Any:
+    """Imports a generated source file as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise KernelBuildError(f"cannot import generated kernel {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def with_fallback(name: str, fast: Callable[[], Any], reference: Callable[[], Any]) -> Any:
+    """Runs ``fast``; if its kernel cannot be built, warns naming kernel and error and runs ``reference``."""
+    try:
+        return fast()
+    except KernelBuildError as exc:
+        warnings.warn(f"v4compile: {exc}; using the reference implementation instead", RuntimeWarning,
+                      stacklevel=3)
+        return reference()

@@ -1,0 +1,10 @@
+"""TileLang kernels (CUDA target on GPU, ``c`` target on CPU); IMPLEMENTATIONS maps op name to body."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .compressor import compressor_pool_state
+
+IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"compressor_pool_state": compressor_pool_state}

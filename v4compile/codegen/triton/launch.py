@@ -1,0 +1,32 @@
+"""Loading generated Triton sources: compiled on CUDA, through the Triton interpreter on CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+from ..registry import KernelBuildError, load_module
+
+
+def load_triton_module(path: Path, interpret: bool) -> ModuleType:
+    """Imports a generated Triton module; CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)."""
+    import triton
+
+    if interpret and not triton.knobs.runtime.interpret:
+        raise KernelBuildError("CPU tensors need the Triton interpreter, but triton was imported without "
+                               "TRITON_INTERPRET=1 (import v4compile first, or set it)")
+    return load_module(path)
+
+
+def lowered_text(kernel: object) -> str | None:
+    """The compiled kernel's TTGIR and PTX when Triton compiled it (None under the interpreter)."""
+    cache = getattr(kernel, "device_caches", None) or getattr(kernel, "cache", None)
+    if not cache:
+        return None
+    for entry in (cache.values() if isinstance(cache, dict) else []):
+        compiled_map = entry[0] if isinstance(entry, tuple) else entry
+        for compiled in compiled_map.values():
+            asm = getattr(compiled, "asm", None)
+            if asm:
+                return "\n".join(f"// ---- {k}\n{v}" for k, v in asm.items() if isinstance(v, str) and k in ("ttgir", "ptx"))
+    return None

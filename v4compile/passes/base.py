@@ -1,0 +1,166 @@
+"""What every pass shares: matches, near-misses, locations, and the Inductor-compatible pass interface.
+
+A pass is data in, data out: it finds anchor nodes, analyzes each (raising ``NoMatch`` with a reason
+for a near-miss), and rewrites what matched into a custom-op call. It is individually switchable and
+its ``uuid()`` hashes its source and options so compile caches never serve stale code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+
+class NoMatch(Exception):
+    """Raised by ``analyze`` with the reason a candidate is a near-miss."""
+
+
+@dataclass
+class Location:
+    """Where a node came from: graph node name, model module path, and model source line."""
+
+    node: str
+    module: str
+    source: str
+
+    def __str__(self) -> str:
+        return f"{self.module} ({self.source}) [{self.node}]"
+
+
+def locate(node: fx.Node) -> Location:
+    """The model-level location of ``node`` from its trace metadata."""
+    stack = node.meta.get("nn_module_stack") or {}
+    module = ""
+    if stack:
+        module = list(stack.values())[-1][0]
+        module = module.replace("L['self'].", "").replace("L['self']", "model")
+        module = module.replace("._modules['", ".").replace("']", "")
+    source = ""
+    trace = node.meta.get("stack_trace") or ""
+    for line in trace.splitlines():
+        line = line.strip()
+        if line.startswith("File ") and "/v4compile/" in line:
+            path, _, rest = line[len("File "):].replace('"', "").partition(", line ")
+            lineno, _, func = rest.partition(", in ")
+            source = f"{path.split('/v4compile/')[-1]}:{lineno} {func}"
+    return Location(node.name, module or "-", source or "-")
+
+
+@dataclass
+class Rewrite:
+    """A matched region: its sink (whose users get the replacement), the nodes it removes, and the call."""
+
+    sink: fx.Node
+    op: Any
+    args: tuple[Any, ...]
+    kernel: str
+    details: dict[str, Any]
+    outputs: dict[int, fx.Node] = field(default_factory=dict)
+
+
+@dataclass
+class Match:
+    """One rewrite that was applied."""
+
+    pass_name: str
+    location: Location
+    op: str
+    kernel: str
+    details: dict[str, Any]
+    worst_rel_error: float | None = None
+    checked_calls: int = 0
+
+
+@dataclass
+class NearMiss:
+    """A candidate that looked like the pattern but was not rewritten, and why."""
+
+    pass_name: str
+    location: Location
+    reason: str
+
+
+@dataclass
+class RewriteContext:
+    """What a pass needs to emit calls: the kernel backend and whether to keep regions for checking."""
+
+    backend: str = "reference"
+
+
+class GraphPass(CustomGraphPass):
+    """Base class of every rewrite pass; subclasses set the class attributes and implement the hooks."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    matches: ClassVar[str]
+    option_help: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, **options: Any) -> None:
+        unknown = set(options) - set(self.option_help)
+        if unknown:
+            raise ValueError(f"pass {self.name} has no options {sorted(unknown)}; options: {sorted(self.option_help)}")
+        self.options = options
+
+    def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
+        """Anchor nodes worth analyzing."""
+        raise NotImplementedError
+
+    def analyze(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
+        """The rewrite for an anchor, or ``NoMatch`` with the reason it is a near-miss."""
+        raise NotImplementedError
+
+    def __call__(self, graph: fx.Graph) -> None:
+        """Inductor's custom-pass entry point: rewrites every match in place with the reference backend."""
+        from .manager import apply_rewrite
+
+        for node in list(self.candidates(graph.owning_module)):
+            if node.graph is not graph:
+                continue
+            try:
+                apply_rewrite(graph, self.analyze(node, RewriteContext()))
+            except NoMatch:
+                continue
+
+    def uuid(self) -> bytes:
+        """Hash of this pass's source and options (Inductor compile-cache key)."""
+        source = inspect.getsource(sys.modules[type(self).__module__])
+        payload = source + json.dumps(self.options, sort_keys=True, default=str) + torch.__version__
+        return hashlib.sha256(payload.encode()).digest()
+
+
+def is_op(node: Any, *targets: Any) -> bool:
+    """Whether ``node`` is a call of one of the given ATen overloads or packets."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    for target in targets:
+        if node.target is target or getattr(node.target, "overloadpacket", None) is target:
+            return True
+    return False
+
+
+def shape(node: Any) -> tuple[int, ...] | None:
+    """Static shape of a node's value (None when unknown or symbolic)."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return tuple(int(s) for s in val.shape)
+    except (TypeError, ValueError):
+        return None
+
+
+def only_user(node: fx.Node, why: str) -> fx.Node:
+    """The single user of ``node``, or NoMatch(why)."""
+    users = list(node.users)
+    if len(users) != 1:
+        raise NoMatch(why)
+    return users[0]

@@ -1,0 +1,170 @@
+"""``compressor_fusion``: the compressor's pooling chain becomes one fused kernel.
+
+Prefill form: ``(blocks(kv) * softmax(blocks(score) + ape, over a block's tokens)).sum(tokens)``
+(C128), or the overlapping C4 form whose softmax spans block j-1's first half and block j's second
+half. Decode-state form: the same softmax-weighted sum over the rows of the compressor state.
+Both read kv and score once and never materialise the blocked, shifted or concatenated views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import fx
+
+from ..codegen import ops
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, only_user, shape
+
+aten = torch.ops.aten
+END = 2**63 - 1
+
+
+def _slice_args(node: fx.Node) -> tuple[fx.Node, int, int, int]:
+    """(input, dim, start, end) of an ``aten.slice``; end is normalised to END when it runs to the end."""
+    args = list(node.args) + [0, 0, END][len(node.args) - 1:]
+    src, dim, start, end = args[0], args[1], args[2] or 0, args[3]
+    full = shape(src)
+    if full is not None and end is not None and end >= full[dim]:
+        end = END
+    return src, dim, start, END if end is None else end
+
+
+def _expect_slice(node: object, dim: int, start: int, end: int, what: str) -> fx.Node:
+    if not is_op(node, aten.slice):
+        raise NoMatch(f"{what} is not a slice")
+    src, d, s, e = _slice_args(node)
+    ndim = len(shape(src) or ())
+    if (d % ndim if ndim else d) != dim or s != start or e != end:
+        raise NoMatch(f"{what} slices dim {d} [{s}:{e}] instead of dim {dim} [{start}:{end}]")
+    return src
+
+
+def _strip_aliases(node: fx.Node) -> fx.Node:
+    while is_op(node, aten.alias):
+        node = node.args[0]
+    return node
+
+
+def _blocked_source(node: fx.Node, ratio: int, what: str) -> tuple[fx.Node, int]:
+    """``unflatten(kv[:, :cutoff], 1, (-1, ratio))`` -> (kv, n_blocks)."""
+    if not is_op(node, aten.unflatten):
+        raise NoMatch(f"{what} is not split into blocks along the token axis")
+    src, dim, sizes = node.args[0], node.args[1], list(node.args[2])
+    if dim != 1 or len(sizes) != 2 or sizes[1] != ratio:
+        raise NoMatch(f"{what} is split as dim {dim} into {sizes}, not tokens into blocks of {ratio}")
+    n_blocks = shape(node)[1]
+    src = _strip_aliases(src)
+    if is_op(src, aten.slice):
+        inner, d, start, end = _slice_args(src)
+        if d != 1 or start != 0 or (end != END and end != n_blocks * ratio):
+            raise NoMatch(f"{what} takes tokens [{start}:{end}], not the complete blocks from token 0")
+        src = _strip_aliases(inner)
+    return src, n_blocks
+
+
+def _overlap_halves(node: fx.Node, width: int, fill: float, what: str) -> fx.Node:
+    """``cat([shift(x[..., :w]) with fill, x[..., w:]], dim=2)`` -> x."""
+    if not is_op(node, aten.cat) or len(node.args[0]) != 2 or (node.args[1] if len(node.args) > 1 else 0) != 2:
+        raise NoMatch(f"{what} is not the two-half overlap window (cat along the slot axis)")
+    shifted, current = node.args[0]
+    base = _expect_slice(current, 3, width, END, f"{what}'s current-block half")
+    if not is_op(shifted, aten.cat) or (shifted.args[1] if len(shifted.args) > 1 else 0) != 1:
+        raise NoMatch(f"{what}'s previous-block half is not shifted by one block")
+    pad, previous = shifted.args[0]
+    if not is_op(pad, aten.full_like) or float(pad.args[1]) != fill:
+        raise NoMatch(f"{what}'s block -1 is not filled with {fill}")
+    first_half = _expect_slice(previous, 1, 0, -1, f"{what}'s shifted blocks")
+    if _expect_slice(first_half, 3, 0, width, f"{what}'s previous-block half") is not base:
+        raise NoMatch(f"{what}'s two halves come from different tensors")
+    return base
+
+
+def _state_halves(node: fx.Node, ratio: int, width: int, what: str) -> fx.Node:
+    """``cat([s[:, :R, :w], s[:, R:, w:]], dim=1)`` -> s."""
+    if not is_op(node, aten.cat) or len(node.args[0]) != 2 or (node.args[1] if len(node.args) > 1 else 0) != 1:
+        raise NoMatch(f"{what} is not the [previous block | current block] state window")
+    prev, cur = node.args[0]
+    a = _expect_slice(_expect_slice(prev, 2, 0, width, f"{what}'s previous rows"), 1, 0, ratio, f"{what}'s rows")
+    b = _expect_slice(_expect_slice(cur, 2, width, END, f"{what}'s current rows"), 1, ratio, END, f"{what}'s rows")
+    if a is not b:
+        raise NoMatch(f"{what}'s halves come from different state tensors")
+    return a
+
+
+class CompressorFusion(GraphPass):
+    """Softmax-pooled KV compression (C4 overlap and C128; prefill and decode state) -> one kernel."""
+
+    name = "compressor_fusion"
+    summary = "fuse the compressor's bias + per-dim softmax over a block's tokens + weighted sum into one kernel"
+    matches = ("(kv_blocks * softmax(score_blocks + ape, dim=slots)).sum(slots), C128 or C4-overlap, "
+               "prefill [B,N,slots,w] or decode state [B,slots,w]")
+
+    def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
+        return [n for n in gm.graph.nodes if is_op(n, aten.softmax, aten._softmax)]
+
+    def analyze(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
+        dims = shape(node)
+        if dims is None:
+            raise NoMatch("softmax with a dynamic shape")
+        dim = node.args[1] % len(dims)
+        mul = only_user(node, "softmax output has several users, not one weighted sum")
+        if not is_op(mul, aten.mul) or len(mul.args) != 2 or node not in mul.args:
+            raise NoMatch("softmax output is not multiplied into values (no weighted sum)")
+        values = mul.args[1] if mul.args[0] is node else mul.args[0]
+        if not isinstance(values, fx.Node) or shape(values) != dims:
+            raise NoMatch("the values weighted by the softmax have another shape")
+        total = only_user(mul, "weighted values are used elsewhere than one sum")
+        if not is_op(total, aten.sum) or len(total.args) < 2 or [d % len(dims) for d in total.args[1]] != [dim]:
+            raise NoMatch(f"weighted values are not summed over the softmax axis {dim}")
+        if len(total.args) > 2 and total.args[2]:
+            raise NoMatch("the pooled sum keeps its dim")
+        if len(dims) == 4 and dim == 2:
+            return self._prefill(node, values, total, dims, ctx)
+        if len(dims) == 3 and dim == 1:
+            return self._decode(node, values, total, dims, ctx)
+        raise NoMatch(f"softmax over dim {dim} of a rank-{len(dims)} tensor is not a per-dim pooling over a block's "
+                      f"tokens (prefill: dim 2 of [B,N,slots,w]; decode: dim 1 of [B,slots,w])")
+
+    def _prefill(self, soft: fx.Node, values: fx.Node, total: fx.Node, dims: tuple[int, ...],
+                 ctx: RewriteContext) -> Rewrite:
+        slots, width = dims[2], dims[3]
+        score = soft.args[0]
+        overlap = is_op(score, aten.cat)
+        ratio = slots // 2 if overlap else slots
+        if overlap:
+            score = _overlap_halves(score, width, float("-inf"), "score")
+            values = _overlap_halves(values, width, 0.0, "kv")
+        if not is_op(score, aten.add):
+            raise NoMatch("scores have no positional bias (ape) added before the softmax")
+        blocked, ape = score.args
+        if shape(ape) != (ratio, (2 if overlap else 1) * width):
+            blocked, ape = ape, blocked
+        if shape(ape) != (ratio, (2 if overlap else 1) * width):
+            raise NoMatch(f"the bias added to the scores is not a [{ratio}, {(2 if overlap else 1) * width}] ape")
+        score_src, n_blocks = _blocked_source(blocked, ratio, "score")
+        kv_src, kv_blocks = _blocked_source(values, ratio, "kv")
+        if kv_blocks != n_blocks or shape(kv_src) != shape(score_src):
+            raise NoMatch("kv and score are blocked differently")
+        kernel = f"compressor_pool.c{ratio}.w{width}.{ctx.backend}"
+        return Rewrite(total, ops.compressor_pool, (kv_src, score_src, ape, ratio, width, n_blocks, ctx.backend),
+                       kernel, {"form": "prefill", "ratio": ratio, "width": width, "overlap": overlap,
+                                "blocks": n_blocks})
+
+    def _decode(self, soft: fx.Node, values: fx.Node, total: fx.Node, dims: tuple[int, ...],
+                ctx: RewriteContext) -> Rewrite:
+        slots, width = dims[1], dims[2]
+        score = soft.args[0]
+        overlap = is_op(score, aten.cat)
+        ratio = slots // 2 if overlap else slots
+        if overlap:
+            score = _state_halves(score, ratio, width, "score state")
+            values = _state_halves(values, ratio, width, "kv state")
+        if shape(score) != shape(values) or len(shape(score) or ()) != 3:
+            raise NoMatch("kv and score states differ in shape")
+        if not overlap and ratio < 8:
+            raise NoMatch(f"a softmax-weighted sum over {ratio} rows without a positional bias is not a "
+                          f"compressor state (C128 states have 128 rows)")
+        kernel = f"compressor_pool_state.c{ratio}.w{width}.{ctx.backend}"
+        return Rewrite(total, ops.compressor_pool_state, (values, score, ratio, width, ctx.backend), kernel,
+                       {"form": "decode", "ratio": ratio, "width": width, "overlap": overlap})

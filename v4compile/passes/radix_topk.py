@@ -1,0 +1,125 @@
+"""``radix_topk``: top-k selection over many candidates becomes an exact radix select.
+
+Matches the indexer's ``sort(descending, stable)[..., :k]`` (optionally with its ``-inf -> -1``
+masking of the ids) and any ``topk(k <= max_k)`` over at least ``min_candidates`` candidates. The
+kernel returns the same values and ids: descending, ties to the lowest index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import fx
+
+from ..codegen import ops
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, shape
+
+aten = torch.ops.aten
+END = 2**63 - 1
+
+
+def _last_dim_prefix(node: fx.Node, ndim: int) -> int | None:
+    """k when ``node`` is ``x[..., :k]`` on the last dim, else None."""
+    if not is_op(node, aten.slice):
+        return None
+    args = list(node.args) + [0, 0, END][len(node.args) - 1:]
+    dim, start, end = args[1] % ndim, args[2] or 0, args[3]
+    if dim != ndim - 1 or start != 0 or end is None:
+        return None
+    return int(end)
+
+
+class RadixTopK(GraphPass):
+    """Top-k over many candidates -> exact radix select."""
+
+    name = "radix_topk"
+    summary = "replace large top-k selections with an exact radix select (ties to the lowest index)"
+    matches = ("sort(x, descending, stable)[..., :k] (the indexer) and topk(x, k) with k <= max_k over "
+               ">= min_candidates candidates")
+    option_help = {"max_k": "largest k rewritten (default 2048)",
+                   "min_candidates": "smallest candidate count for plain topk (default 4096)"}
+
+    def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
+        return [n for n in gm.graph.nodes if is_op(n, aten.sort, aten.topk)]
+
+    def analyze(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
+        dims = shape(node.args[0])
+        if dims is None:
+            raise NoMatch("selection over a dynamic shape")
+        if is_op(node, aten.topk):
+            return self._topk(node, dims, ctx)
+        return self._sort(node, dims, ctx)
+
+    def _limits(self) -> tuple[int, int]:
+        return int(self.options.get("max_k", 2048)), int(self.options.get("min_candidates", 4096))
+
+    def _topk(self, node: fx.Node, dims: tuple[int, ...], ctx: RewriteContext) -> Rewrite:
+        max_k, min_candidates = self._limits()
+        x, k = node.args[0], int(node.args[1])
+        dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)) % len(dims)
+        largest = node.args[3] if len(node.args) > 3 else node.kwargs.get("largest", True)
+        if dim != len(dims) - 1:
+            raise NoMatch(f"topk over dim {dim}, not the last dim")
+        if not largest:
+            raise NoMatch("topk of the smallest values")
+        if k > max_k:
+            raise NoMatch(f"k = {k} exceeds the radix kernel's maximum {max_k}")
+        if dims[-1] < min_candidates:
+            raise NoMatch(f"only {dims[-1]} candidates (< {min_candidates}): torch.topk is already cheap")
+        return Rewrite(node, ops.radix_topk, (x, k, False, ctx.backend), f"radix_topk.k{k}.{ctx.backend}",
+                       {"source": "topk", "k": k, "candidates": dims[-1]})
+
+    def _sort(self, node: fx.Node, dims: tuple[int, ...], ctx: RewriteContext) -> Rewrite:
+        max_k, _ = self._limits()
+        kwargs = node.kwargs
+        if not kwargs.get("stable", False):
+            raise NoMatch("unstable sort: its tie order is unspecified, so the slice is not a defined top-k")
+        if not kwargs.get("descending", False):
+            raise NoMatch("ascending sort (smallest first)")
+        if kwargs.get("dim", -1) % len(dims) != len(dims) - 1:
+            raise NoMatch("sort over another dim than the last")
+        outputs: dict[int, fx.Node] = {}
+        ks = set()
+        for user in node.users:
+            if user.target is not __import__("operator").getitem:
+                raise NoMatch("sort result used whole")
+            for use in user.users:
+                k = _last_dim_prefix(use, len(dims))
+                if k is None:
+                    raise NoMatch("sorted values feed something other than a [..., :k] prefix")
+                ks.add(k)
+            outputs[user.args[1]] = user
+        if len(ks) != 1:
+            raise NoMatch(f"sorted outputs are cut at different lengths {sorted(ks)}")
+        k = ks.pop()
+        if k > max_k:
+            raise NoMatch(f"k = {k} exceeds the radix kernel's maximum {max_k}")
+        if k >= dims[-1]:
+            raise NoMatch(f"keeps all {dims[-1]} candidates: a full sort, not a selection")
+        mask_invalid = self._masks_invalid(outputs)
+        details = {"source": "stable sort prefix", "k": k, "candidates": dims[-1], "masks_invalid": mask_invalid}
+        sink = outputs.get(1, outputs.get(0))
+        rewrite = Rewrite(sink, ops.radix_topk, (node.args[0], k, mask_invalid, ctx.backend),
+                          f"radix_topk.k{k}.{ctx.backend}", details)
+        rewrite.outputs = {i: next(iter(getter.users)) for i, getter in outputs.items()}
+        if mask_invalid:
+            ids_slice = rewrite.outputs[1]
+            rewrite.outputs = {1: next(iter(ids_slice.users))}
+        rewrite.details["replaced"] = [n.name for n in (node, *outputs.values())]
+        return rewrite
+
+    @staticmethod
+    def _masks_invalid(outputs: dict[int, fx.Node]) -> bool:
+        """Whether the only use of the values is ``where(values == -inf, -1, ids)`` on the ids prefix."""
+        if set(outputs) != {0, 1}:
+            return False
+        values_slice = next(iter(outputs[0].users))
+        ids_slice = next(iter(outputs[1].users))
+        users = list(values_slice.users)
+        if len(users) != 1 or not is_op(users[0], aten.eq) or users[0].args[1] != float("-inf"):
+            return False
+        masks = list(users[0].users)
+        ids_users = list(ids_slice.users)
+        return (len(masks) == 1 and is_op(masks[0], aten.where) and ids_users == masks
+                and masks[0].args[0] is users[0] and masks[0].args[1] == -1 and masks[0].args[2] is ids_slice)
