@@ -1,34 +1,239 @@
-"""The ``v4compile`` command."""
+"""The ``v4compile`` command: the demo and the pass-debugging tools."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.syntax import Syntax
+from rich.table import Table
+
+console = Console()
+
+
+def _model(args: argparse.Namespace):
+    import v4compile
+
+    if getattr(args, "checkpoint", None):
+        return v4compile.load(args.checkpoint).eval()
+    return v4compile.DeepSeekV4(v4compile.V4Config.preset(args.preset), seed=0).eval()
+
+
+def _progress(message: str) -> Progress:
+    progress = Progress(SpinnerColumn(), TextColumn("[progress.description]{task.description}"), TimeElapsedColumn(),
+                        console=console, transient=True)
+    progress.add_task(message, total=None)
+    return progress
+
+
+def _add_target(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--preset", default="tiny", help="model preset with seeded random weights (default tiny)")
+    group.add_argument("--checkpoint", help="checkpoint directory (config.json + *.safetensors)")
+    parser.add_argument("--backend", default="auto", help="kernel backend: auto, triton, tilelang, reference")
 
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return 0 if run_demo(Console(), prompt_len=args.prompt_len, steps=args.steps) else 1
+    return 0 if run_demo(console, prompt_len=args.prompt_len, steps=args.steps, optimized=not args.no_optimize) else 1
+
+
+def _passes(args: argparse.Namespace) -> int:
+    from .passes import PASS_ORDER
+
+    table = Table(title="v4compile passes, in pipeline order")
+    for col in ("#", "pass", "what it does", "what it matches", "options"):
+        table.add_column(col, overflow="fold")
+    for i, cls in enumerate(PASS_ORDER, start=1):
+        options = "\n".join(f"{k}: {v}" for k, v in cls.option_help.items()) or "-"
+        table.add_row(str(i), cls.name, cls.summary, cls.matches, options)
+    console.print(table)
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from .debugging import explain
+
+    model = _model(args)
+    with _progress("capturing forward, prefill and decode and running the passes"):
+        optimized = explain(model, backend=args.backend, debug_dir=getattr(args, "out", None))
+    reports = optimized.reports()
+    if args.json:
+        print(json.dumps([r.to_dict() for r in reports], indent=1, default=str))
+        return 0
+    names = ["forward", "prefill", "decode"]
+    for i, report in enumerate(reports):
+        title = names[i] if i < len(names) else report.graph
+        matches = Table(title=f"{title}: {len(report.matches)} rewrites ({report.nodes_before} -> "
+                              f"{report.nodes_after} nodes)")
+        for col in ("pass", "location", "kernel", "details"):
+            matches.add_column(col, overflow="fold")
+        for m in report.matches:
+            matches.add_row(m.pass_name, str(m.location), m.kernel,
+                            ", ".join(f"{k}={v}" for k, v in m.details.items() if k != "replaced"))
+        console.print(matches)
+        if args.near_misses:
+            misses = Table(title=f"{title}: near-misses")
+            for col in ("pass", "location", "why it did not match"):
+                misses.add_column(col, overflow="fold")
+            for p in report.passes:
+                for miss in p.near_misses:
+                    misses.add_row(miss.pass_name, str(miss.location), miss.reason)
+            console.print(misses)
+    if not any(r.matches for r in reports):
+        console.print("[yellow]no pass matched: this model runs on Inductor alone[/yellow]")
+    return 0
+
+
+def _dump(args: argparse.Namespace) -> int:
+    from .debugging import explain
+
+    out = Path(args.out)
+    with _progress(f"dumping graphs into {out}"):
+        explain(_model(args), backend=args.backend, debug_dir=out)
+    files = sorted(p.relative_to(out) for p in out.rglob("*.txt"))
+    console.print(f"wrote {len(files)} graphs (captured, then after each pass that changed it) under {out}:")
+    for f in files:
+        console.print(f"  {f}")
+    return 0
+
+
+def _kernels(args: argparse.Namespace) -> int:
+    from .codegen.registry import REGISTRY, cache_dir
+    from .debugging import explain
+
+    with _progress("building the kernels the passes choose"):
+        explain(_model(args), backend=args.backend)
+    if args.show:
+        record = REGISTRY.records.get(args.show)
+        if record is None:
+            console.print(f"[red]no kernel named {args.show!r}; known: {', '.join(sorted(REGISTRY.records))}[/red]")
+            return 2
+        console.rule(f"{record.name}  ({record.backend}, {record.op})")
+        console.print(Syntax(record.source, "python", line_numbers=True))
+        console.print(f"source file: {record.path}")
+        console.print(f"launch configuration (last launch, {record.launches} launches): {record.launch}")
+        console.print("replaced regions:\n  " + "\n  ".join(record.regions or ["-"]))
+        if record.lowered:
+            console.rule("lowered code")
+            console.print(record.lowered)
+        if record.error:
+            console.print(f"[red]build error: {record.error}[/red]")
+        return 0
+    table = Table(title=f"kernels (disk cache: {cache_dir()})")
+    for col in ("name", "backend", "op", "source hash", "launches", "last launch", "regions"):
+        table.add_column(col, overflow="fold")
+    for name in sorted(REGISTRY.records):
+        r = REGISTRY.records[name]
+        table.add_row(name, r.backend, r.op, r.source_hash, str(r.launches), str(r.launch), str(len(r.regions)))
+    console.print(table)
+    return 0
+
+
+def _bisect(args: argparse.Namespace) -> int:
+    from .debugging import bisect
+
+    model = _model(args)
+    with _progress("bisecting rewrites with optimization fuel") as progress:
+        def tick(fuel: int, error: float) -> None:
+            progress.console.print(f"  fuel {fuel:4d}: median row error {error:.3e}")
+
+        result = bisect(model, backend=args.backend, tolerance=args.tolerance, entry=args.entry, progress=tick)
+    if result.culprit is None:
+        console.print(f"[green]all {result.total_rewrites} rewrites keep the {args.entry} logits within "
+                      f"{args.tolerance:g} (median row error {result.error_at:.3e})[/green]")
+        return 0
+    m = result.culprit
+    console.print(f"[red]rewrite {result.culprit_index} of {result.total_rewrites} breaks numerics[/red]: "
+                  f"{m.pass_name} at {m.location} -> kernel {m.kernel}")
+    console.print(f"median row error {result.error_before:.3e} with {result.culprit_index - 1} rewrites, "
+                  f"{result.error_at:.3e} with {result.culprit_index}")
+    return 1
+
+
+def _check(args: argparse.Namespace) -> int:
+    import v4compile
+
+    from .debugging import golden_check
+
+    folder = Path(args.golden or args.checkpoint)
+    model = v4compile.load(folder).eval()
+    optimized = v4compile.optimize(model, backend=args.backend, inductor=args.inductor, check=args.regions)
+    with _progress("running eager and optimized on the golden cases"):
+        results = golden_check(optimized, folder)
+    table = Table(title=f"{folder.name}: per logit row (golden band: median >= 0.99, mean >= 0.97, agree >= 0.80)")
+    for col in ("comparison", "median cos", "mean cos", "min cos", "argmax agree"):
+        table.add_column(col)
+    for name, a in results.items():
+        table.add_row(name, f"{a.median_cos:.5f}", f"{a.mean_cos:.5f}", f"{a.min_cos:.5f}", f"{a.argmax_agreement:.3f}")
+    console.print(table)
+    if args.regions:
+        for row in optimized.report():
+            console.print(f"{row['pass']}: {row['matches']} regions, worst relative error {row['worst_rel_error']}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="v4compile", description="Compiler and runtime for DeepSeek-V4-class models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the tiny preset end to end (prefill + cached decode) and summarize")
+
+    demo = sub.add_parser("demo", help="the tiny preset end to end: prefill, cached decode, optimization report")
     demo.add_argument("--prompt-len", type=int, default=48)
     demo.add_argument("--steps", type=int, default=8)
+    demo.add_argument("--no-optimize", action="store_true", help="skip the compiler part")
     demo.set_defaults(func=_demo)
+
+    sub.add_parser("passes", help="list the passes, what they match and their options").set_defaults(func=_passes)
+
+    exp = sub.add_parser("explain", help="every match with its location and every near-miss with its reason")
+    _add_target(exp)
+    exp.add_argument("--no-near-misses", dest="near_misses", action="store_false")
+    exp.add_argument("--json", action="store_true", help="print the reports as JSON")
+    exp.set_defaults(func=_explain)
+
+    dump = sub.add_parser("dump", help="write the graphs before and after each pass into a folder")
+    _add_target(dump)
+    dump.add_argument("out", help="output folder")
+    dump.set_defaults(func=_dump)
+
+    ker = sub.add_parser("kernels", help="list generated kernels; --show NAME prints source and launch config")
+    _add_target(ker)
+    ker.add_argument("--show", metavar="NAME")
+    ker.set_defaults(func=_kernels)
+
+    bis = sub.add_parser("bisect", help="find the first rewrite that breaks numerics beyond a tolerance")
+    _add_target(bis)
+    bis.add_argument("--tolerance", type=float, default=1e-2, help="median per-row relative error allowed")
+    bis.add_argument("--entry", choices=["forward", "decode"], default="forward")
+    bis.set_defaults(func=_bisect)
+
+    chk = sub.add_parser("check", help="optimized vs eager vs a golden folder")
+    chk.add_argument("golden", nargs="?", help="golden folder (config.json, model.safetensors, cases.safetensors)")
+    chk.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    chk.add_argument("--backend", default="auto")
+    chk.add_argument("--inductor", action="store_true", help="compile the rest with Inductor (slow on CPU)")
+    chk.add_argument("--regions", action="store_true", help="also check every rewritten region numerically")
+    chk.set_defaults(func=_check)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``v4compile`` command."""
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Entry point of the ``v4compile`` command; bad arguments print a clear error."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "check" and not (args.golden or args.checkpoint):
+        parser.error("check needs a golden folder")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
 
 
 if __name__ == "__main__":

@@ -23,11 +23,23 @@ def resolve_backend(backend: str, device: torch.device | None = None) -> str:
     return "triton" if backend == "auto" else backend
 
 
+def _never_fall_back_to_eager() -> None:
+    """Each optimized model and input shape is its own Dynamo cache entry: allow many, and make hitting the
+    limit an error rather than a silent fall back to eager execution."""
+    config = torch._dynamo.config
+    for key, limit in (("recompile_limit", 256), ("cache_size_limit", 256), ("accumulated_recompile_limit", 4096)):
+        if hasattr(config, key):
+            setattr(config, key, max(getattr(config, key), limit))
+    if hasattr(config, "fail_on_recompile_limit_hit"):
+        config.fail_on_recompile_limit_hit = True
+
+
 class OptimizedModel:
     """The optimized callable: same API as the model (forward, decode_step, hidden_states, mtp_logits),
     each entry point compiled once through the pass pipeline. ``report()`` tells what every pass did."""
 
     def __init__(self, model: nn.Module, manager: PassManager, inductor: bool) -> None:
+        _never_fall_back_to_eager()
         self.model = model
         self.manager = manager
         self.inductor = inductor

@@ -76,6 +76,22 @@ class KernelRegistry:
             self._kernels[key] = kernel
             return kernel
 
+    def launch(self, name: str, run: Callable[[], Any]) -> Any:
+        """Runs a kernel launch; a kernel whose first launch fails is marked failed (it then falls back)."""
+        record = self.records.get(name)
+        if record is not None and record.error:
+            raise KernelBuildError(f"kernel {name} failed: {record.error}")
+        if record is None or record.launches:
+            return run()
+        try:
+            return run()
+        except Exception as exc:  # first launch compiles (GPU) or first interprets (CPU): a build failure
+            record.error = f"{type(exc).__name__}: {exc}"
+            for key in [k for k in self._kernels if k.startswith(f"{name}:")]:
+                self._failed[key] = record.error
+                del self._kernels[key]
+            raise KernelBuildError(f"kernel {name} failed to build: {record.error}") from exc
+
     def note_launch(self, name: str, **launch: Any) -> None:
         """Records the launch configuration of the latest launch of ``name``."""
         record = self.records.get(name)

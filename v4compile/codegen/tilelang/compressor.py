@@ -16,10 +16,12 @@ OVERLAP = {overlap}
 SLOTS = 2 * RATIO if OVERLAP else RATIO
 COLS = 2 * WIDTH if OVERLAP else WIDTH
 BLOCK_D = {block_d}
+# Masked state rows hold -inf; the C target builds with fast-math, so clamp them to a finite floor.
+FLOOR = -3.0e38
 
 
 def build(target):
-    batch = T.symbolic("batch")
+    batch = T.dynamic("batch")
 
     @T.prim_func
     def {fn}(kv: T.Tensor((batch, SLOTS, COLS), "float32"), score: T.Tensor((batch, SLOTS, COLS), "float32"),
@@ -30,19 +32,19 @@ def build(target):
                 m = T.alloc_var("float32")
                 s = T.alloc_var("float32")
                 acc = T.alloc_var("float32")
-                m = -T.infinity("float32")
+                m = FLOOR
                 for r in T.serial(RATIO):
-                    m = T.max(m, score[b, SLOTS - RATIO + r, COLS - WIDTH + d])
-                    if OVERLAP:
-                        m = T.max(m, score[b, r, d])
+                    current = T.max(score[b, SLOTS - RATIO + r, COLS - WIDTH + d], FLOOR)
+                    previous = T.max(score[b, r, d], FLOOR) if OVERLAP else FLOOR
+                    m = T.max(m, T.max(current, previous))
                 s = 0.0
                 acc = 0.0
                 for r in T.serial(RATIO):
-                    e = T.exp(score[b, SLOTS - RATIO + r, COLS - WIDTH + d] - m)
+                    e = T.exp(T.max(score[b, SLOTS - RATIO + r, COLS - WIDTH + d], FLOOR) - m)
                     s = s + e
                     acc = acc + e * kv[b, SLOTS - RATIO + r, COLS - WIDTH + d]
                     if OVERLAP:
-                        e_prev = T.exp(score[b, r, d] - m)
+                        e_prev = T.exp(T.max(score[b, r, d], FLOOR) - m)
                         s = s + e_prev
                         acc = acc + e_prev * kv[b, r, d]
                 out[b, d] = acc / s
@@ -69,6 +71,6 @@ def compressor_pool_state(kv_state: torch.Tensor, score_state: torch.Tensor, rat
                             lambda path: load_module(path).build(target))
     if REGISTRY.records[name].lowered is None:
         REGISTRY.set_lowered(name, kernel.get_kernel_source())
-    out = kernel(kv_state.float().contiguous(), score_state.float().contiguous())
+    out = REGISTRY.launch(name, lambda: kernel(kv_state.float().contiguous(), score_state.float().contiguous()))
     REGISTRY.note_launch(name, grid=(kv_state.shape[0], -(-width // block_d)), threads=1, target=target)
     return out

@@ -128,8 +128,8 @@ def compressor_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ra
         return out
     block_d = _block_d(width)
     grid = (bsz * n_blocks, -(-width // block_d))
-    kernel[grid](kv, score, ape, out, n_blocks, kv.stride(0), kv.stride(1), out.stride(0), out.stride(1),
-                 BLOCK_D=block_d)
+    REGISTRY.launch(name, lambda: kernel[grid](kv, score, ape, out, n_blocks, kv.stride(0), kv.stride(1),
+                                               out.stride(0), out.stride(1), BLOCK_D=block_d))
     REGISTRY.note_launch(name, grid=grid, BLOCK_D=block_d, num_warps=4, tokens=kv.shape[1])
     if kv.device.type == "cuda" and REGISTRY.records[name].lowered is None:
         REGISTRY.set_lowered(name, lowered_text(kernel) or "")
@@ -146,7 +146,8 @@ def compressor_pool_state(kv_state: torch.Tensor, score_state: torch.Tensor, rat
     out = torch.empty(bsz, width, dtype=acc, device=kv_state.device)
     block_d = _block_d(width)
     grid = (bsz, -(-width // block_d))
-    kernel[grid](kv_state, score_state, out, kv_state.stride(0), kv_state.stride(1), out.stride(0), BLOCK_D=block_d)
+    REGISTRY.launch(name, lambda: kernel[grid](kv_state, score_state, out, kv_state.stride(0), kv_state.stride(1),
+                                               out.stride(0), BLOCK_D=block_d))
     REGISTRY.note_launch(name, grid=grid, BLOCK_D=block_d, num_warps=4)
     if kv_state.device.type == "cuda" and REGISTRY.records[name].lowered is None:
         REGISTRY.set_lowered(name, lowered_text(kernel) or "")

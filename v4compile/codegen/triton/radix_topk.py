@@ -85,7 +85,7 @@ def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool) -> tuple[torch.Tenso
     rows = x.reshape(-1, n).float().contiguous()
     ids = torch.empty(rows.shape[0], k, dtype=torch.int32, device=x.device)
     if rows.shape[0]:
-        module.radix_topk[(rows.shape[0],)](rows, ids, n, rows.stride(0), ids.stride(0))
+        REGISTRY.launch(name, lambda: module.radix_topk[(rows.shape[0],)](rows, ids, n, rows.stride(0), ids.stride(0)))
         REGISTRY.note_launch(name, grid=(rows.shape[0],), BLOCK=block, candidates=n, num_warps=4)
         if x.device.type == "cuda" and REGISTRY.records[name].lowered is None:
             REGISTRY.set_lowered(name, lowered_text(module.radix_topk) or "")

@@ -1,0 +1,136 @@
+"""Every kernel against its reference on random inputs (CPU: Triton interpreter, TileLang c target)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from v4compile.codegen import ops, reference
+from v4compile.codegen.registry import REGISTRY
+
+FAST = ("triton", "tilelang")
+
+
+@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize(("ratio", "overlap", "width", "tokens"), [
+    (4, True, 128, 4 * 7 + 3), (4, True, 48, 8), (128, False, 64, 256 + 5), (128, False, 128, 100), (4, True, 64, 3),
+])
+def test_compressor_pool_matches_reference(backend: str, ratio: int, overlap: bool, width: int, tokens: int) -> None:
+    torch.manual_seed(ratio + width + tokens)
+    c = 2 if overlap else 1
+    kv = torch.randn(2, tokens, c * width) * 3
+    score = torch.randn(2, tokens, c * width) * 3
+    ape = torch.randn(ratio, c * width)
+    blocks = tokens // ratio
+    want = reference.compressor_pool(kv, score, ape, ratio, width, blocks)
+    got = ops.compressor_pool(kv, score, ape, ratio, width, blocks, backend)
+    assert got.shape == (2, blocks, width) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize(("ratio", "overlap", "width"), [(4, True, 128), (4, True, 64), (128, False, 128)])
+def test_compressor_pool_state_matches_reference(backend: str, ratio: int, overlap: bool, width: int) -> None:
+    torch.manual_seed(ratio + width)
+    c = 2 if overlap else 1
+    kv = torch.randn(3, c * ratio, c * width)
+    score = torch.randn(3, c * ratio, c * width) * 2
+    score[0, : c * ratio // 2] = float("-inf")
+    want = reference.compressor_pool_state(kv, score, ratio, width)
+    got = ops.compressor_pool_state(kv, score, ratio, width, backend)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _lowest_index_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent oracle: rank by (value desc, index asc) with Python's sort."""
+    rows_v, rows_i = [], []
+    for row in x.reshape(-1, x.shape[-1]).tolist():
+        order = sorted(range(len(row)), key=lambda i: (-row[i], i))[:k]
+        rows_i.append(order)
+        rows_v.append([row[i] for i in order])
+    return torch.tensor(rows_v).view(*x.shape[:-1], k), torch.tensor(rows_i).view(*x.shape[:-1], k)
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(3, 100, 8), (2, 1024, 8), (2, 5000, 64), (2, 37, 37), (1, 3000, 2048)])
+def test_radix_topk_is_exact_with_lowest_index_ties(rows: int, n: int, k: int) -> None:
+    torch.manual_seed(n + k)
+    x = torch.randn(rows, n)
+    x[0, : n // 4] = 0.5
+    x[-1, n // 3 : n // 2] = -0.0
+    x[-1, n // 2 : n // 2 + 7] = 0.0
+    values, ids = ops.radix_topk(x, k, False, "triton")
+    want_v, want_i = _lowest_index_topk(x, k)
+    assert torch.equal(ids, want_i)
+    assert torch.equal(values, want_v)
+
+
+def test_radix_topk_masked_candidates_never_win_and_missing_slots_are_minus_one() -> None:
+    x = torch.full((3, 600), float("-inf"))
+    x[0, 17] = -1e30
+    x[1, ::100] = torch.arange(6, dtype=torch.float32)
+    values, ids = ops.radix_topk(x, 8, True, "triton")
+    assert ids[0].tolist() == [17] + [-1] * 7
+    assert ids[1].tolist() == [500, 400, 300, 200, 100, 0, -1, -1]
+    assert ids[2].tolist() == [-1] * 8
+    assert torch.isinf(values[2]).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 40), st.integers(0, 2**31 - 1), st.sampled_from([2, 5, 1000]))
+def test_radix_topk_property_random_with_many_ties(n: int, k: int, seed: int, levels: int) -> None:
+    k = min(k, n)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-levels, levels, (2, n), generator=gen).float() / 3
+    x[x == x.min()] = float("-inf")
+    values, ids = ops.radix_topk(x, k, False, "triton")
+    want_v, want_i = _lowest_index_topk(x, k)
+    assert torch.equal(ids, want_i) and torch.equal(values, want_v)
+    assert set(ids[0].tolist()) == set(torch.topk(x[0], k).indices.tolist()) or \
+        (torch.topk(x[0], k).values == values[0]).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fp64_gradcheck_of_every_op(backend: str) -> None:
+    torch.manual_seed(0)
+    opts = {"dtype": torch.float64, "requires_grad": True}
+    for ratio, c, width in [(4, 2, 8), (8, 1, 8)]:
+        kv, score = torch.randn(2, 3 * ratio + 1, c * width, **opts), torch.randn(2, 3 * ratio + 1, c * width, **opts)
+        ape = torch.randn(ratio, c * width, **opts)
+        assert torch.autograd.gradcheck(lambda a, b, e: ops.compressor_pool(a, b, e, ratio, width, 3, backend),
+                                        (kv, score, ape), fast_mode=backend != "reference")
+        state_kv, state_score = torch.randn(2, c * ratio, c * width, **opts), torch.randn(2, c * ratio, c * width, **opts)
+        assert torch.autograd.gradcheck(lambda a, b: ops.compressor_pool_state(a, b, ratio, width, backend),
+                                        (state_kv, state_score), fast_mode=backend != "reference")
+    x = torch.randn(3, 40, **opts)
+    assert torch.autograd.gradcheck(lambda t: ops.radix_topk(t, 6, False, backend)[0], (x,),
+                                    fast_mode=backend != "reference")
+
+
+def test_kernel_that_fails_to_build_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    from v4compile.codegen.triton import compressor
+
+    monkeypatch.setattr(compressor, "_POOL_STATE", compressor._POOL_STATE.replace("tl.exp(", "tl.no_such_fn("))
+    torch.manual_seed(1)
+    kv, score = torch.randn(2, 8, 24), torch.randn(2, 8, 24)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = ops.compressor_pool_state(kv, score, 4, 12, "triton")
+    assert torch.equal(got, reference.compressor_pool_state(kv, score, 4, 12))
+    messages = [str(w.message) for w in caught]
+    assert any("compressor_pool_state.c4.w12.triton" in m and "reference" in m for m in messages), messages
+    assert REGISTRY.records["compressor_pool_state.c4.w12.triton"].error is not None
+
+
+def test_registry_records_source_launch_and_disk_cache() -> None:
+    torch.manual_seed(2)
+    ops.compressor_pool(torch.randn(1, 8, 32), torch.randn(1, 8, 32), torch.randn(4, 32), 4, 16, 2, "triton")
+    record = REGISTRY.records["compressor_pool.c4.w16.triton"]
+    assert "@triton.jit" in record.source and "RATIO = 4" in record.source
+    assert record.launch["grid"] == (2, 1) and record.launches >= 1
+    with open(record.path) as f:
+        assert f.read() == record.source
+    assert record.source_hash in record.path

@@ -1,0 +1,183 @@
+"""Pass debugging: run the optimized entry points on sample inputs, bisect rewrites with fuel, compare
+against eager and golden vectors. The CLI is a thin layer over these functions."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from .backend import make_backend
+from .model import DeepSeekV4
+from .optimize import OptimizedModel, optimize, resolve_backend
+from .passes import build_passes
+from .passes.base import Match
+from .passes.manager import PassManager
+
+ENTRIES = ("forward", "prefill", "decode")
+
+
+def sample_ids(model: DeepSeekV4, batch: int = 2, length: int | None = None, seed: int = 0) -> torch.Tensor:
+    """Random prompt ids long enough to fill every compressed-layer kind at least once."""
+    config = model.config
+    longest = max([r for r in config.layer_ratios if r] or [4])
+    length = length or min(config.max_seq_len - 4, max(2 * config.window_size, longest + 8))
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.vocab_size, (batch, length), generator=gen)
+
+
+def run_entries(optimized: OptimizedModel, ids: torch.Tensor, entries: tuple[str, ...] = ENTRIES,
+                decode_steps: int = 2) -> dict[str, torch.Tensor]:
+    """Runs the chosen entry points once (compiling them); returns their logits."""
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        if "forward" in entries:
+            out["forward"] = optimized(ids)
+        if "prefill" in entries or "decode" in entries:
+            cache = optimized.new_cache(ids.shape[0])
+            out["prefill"] = optimized(ids, cache=cache)
+            if "decode" in entries:
+                token, steps = out["prefill"][:, -1:].argmax(-1), []
+                for i in range(decode_steps):
+                    positions = torch.full((ids.shape[0],), ids.shape[1] + i, device=ids.device)
+                    steps.append(optimized.decode_step(token, positions, cache))
+                    token = steps[-1].argmax(-1)
+                out["decode"] = torch.cat(steps, dim=1)
+    return out
+
+
+def explain(model: DeepSeekV4, *, backend: str = "reference", entries: tuple[str, ...] = ENTRIES,
+            debug_dir: str | Path | None = None, passes: list[str] | None = None,
+            disable: tuple[str, ...] = ()) -> OptimizedModel:
+    """Compiles the entry points (without Inductor) so their reports list every match and near-miss."""
+    optimized = optimize(model, backend=backend, passes=passes, disable=disable, debug_dir=debug_dir,
+                         inductor=False)
+    run_entries(optimized, sample_ids(model).to(next(model.parameters()).device), entries)
+    return optimized
+
+
+def row_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Relative L2 error of each logit row."""
+    got, want = got.flatten(0, -2).double(), want.flatten(0, -2).double()
+    return (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
+
+
+@dataclass
+class BisectResult:
+    """The first rewrite (1-based) that breaks numerics, with the error before and at it."""
+
+    total_rewrites: int
+    culprit_index: int | None
+    culprit: Match | None
+    error_before: float
+    error_at: float | None
+    probes: list[tuple[int, float]]
+
+
+def bisect(model: DeepSeekV4, *, backend: str = "auto", tolerance: float = 1e-2, entry: str = "forward",
+           passes: list[str] | None = None, progress: Callable[[int, float], None] | None = None) -> BisectResult:
+    """Finds the first rewrite whose inclusion makes the median per-row relative error of ``entry``'s
+    logits exceed ``tolerance``, by binary search over optimization fuel on one captured graph."""
+    if entry not in ("forward", "decode"):
+        raise ValueError(f"bisect entry must be 'forward' or 'decode', got {entry!r}")
+    kernel_backend = resolve_backend(backend)
+    ids = sample_ids(model).to(next(model.parameters()).device)
+    captured: list[fx.GraphModule] = []
+    inputs: list[list[Any]] = []
+    recorder = PassManager([], backend=kernel_backend)
+    inner = make_backend(recorder, inductor=False, captured=captured)
+
+    def capture(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        inputs.append(list(example_inputs))
+        return inner(gm, example_inputs)
+
+    with torch.no_grad():
+        if entry == "forward":
+            fn = torch.compile(model, backend=capture, dynamic=False)
+            reference, args = model(ids), (ids,)
+            fn(*args)
+        else:
+            cache = model.new_cache(ids.shape[0])
+            model(ids, cache=cache)
+            token, positions = ids[:, -1:], torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
+            snapshot = copy.deepcopy(cache)
+            reference = model.decode_step(token, positions, copy.deepcopy(snapshot))
+            fn = torch.compile(model.decode_step, backend=capture, dynamic=False)
+            fn(token, positions, copy.deepcopy(snapshot))
+    graph, example = captured[0], inputs[0]
+
+    def error(fuel: int) -> tuple[float, PassManager]:
+        manager = PassManager(build_passes(passes), backend=kernel_backend, fuel=fuel)
+        gm = fx.GraphModule(graph, copy.deepcopy(graph.graph))
+        manager.run(gm)
+        args = [a.clone() if isinstance(a, torch.Tensor) else a for a in example]
+        with torch.no_grad():
+            out = gm(*args)
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        logits = next(o for o in outs if isinstance(o, torch.Tensor) and o.shape == reference.shape)
+        value = row_errors(logits, reference).median().item()
+        if progress:
+            progress(fuel, value)
+        return value, manager
+
+    full_error, full_manager = error(10**9)
+    total = sum(len(p.matches) for r in full_manager.reports for p in r.passes)
+    probes = [(total, full_error)]
+    base_error, _ = error(0)
+    probes.append((0, base_error))
+    if full_error <= tolerance:
+        return BisectResult(total, None, None, base_error, full_error, probes)
+    lo, hi, hi_error = 0, total, full_error
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        value, _ = error(mid)
+        probes.append((mid, value))
+        if value > tolerance:
+            hi, hi_error = mid, value
+        else:
+            lo = mid
+    culprit = full_manager.reports[0].matches[hi - 1]
+    lo_error = dict(probes).get(lo, base_error)
+    return BisectResult(total, hi, culprit, lo_error, hi_error, probes)
+
+
+@dataclass
+class Agreement:
+    """How close two sets of logit rows are (the golden README's measures)."""
+
+    median_cos: float
+    mean_cos: float
+    min_cos: float
+    argmax_agreement: float
+
+    @classmethod
+    def of(cls, got: torch.Tensor, want: torch.Tensor) -> Agreement:
+        cos = F.cosine_similarity(got.flatten(0, -2).float(), want.flatten(0, -2).float(), dim=-1)
+        agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+        return cls(cos.median().item(), cos.mean().item(), cos.min().item(), agree)
+
+
+def golden_check(optimized: OptimizedModel, golden_dir: str | Path) -> dict[str, Agreement]:
+    """Eager vs golden, optimized vs golden and optimized vs eager on a golden folder's prefill cases."""
+    from safetensors.torch import load_file
+
+    cases = load_file(str(Path(golden_dir) / "cases.safetensors"))
+    keys = sorted({k.split(".")[0] for k in cases if k.startswith("case")})
+    model = optimized.model
+    eager, fast, golden = [], [], []
+    with torch.no_grad():
+        for key in keys:
+            ids, length = cases[f"{key}.ids"], int(cases[f"{key}.prefill_len"])
+            n = cases[f"{key}.prefill_logits"].shape[1]
+            eager.append(model(ids)[:, length - 1 : length - 1 + n].flatten(0, 1))
+            fast.append(optimized(ids)[:, length - 1 : length - 1 + n].flatten(0, 1))
+            golden.append(cases[f"{key}.prefill_logits"].flatten(0, 1))
+    e, f, g = torch.cat(eager), torch.cat(fast), torch.cat(golden)
+    return {"eager vs golden": Agreement.of(e, g), "optimized vs golden": Agreement.of(f, g),
+            "optimized vs eager": Agreement.of(f, e)}
