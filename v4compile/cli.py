@@ -141,17 +141,17 @@ def _bisect(args: argparse.Namespace) -> int:
     model = _model(args)
     with _progress("bisecting rewrites with optimization fuel") as progress:
         def tick(fuel: int, error: float) -> None:
-            progress.console.print(f"  fuel {fuel:4d}: median row error {error:.3e}")
+            progress.console.print(f"  fuel {fuel:4d}: mean row error {error:.3e}")
 
         result = bisect(model, backend=args.backend, tolerance=args.tolerance, entry=args.entry, progress=tick)
     if result.culprit is None:
         console.print(f"[green]all {result.total_rewrites} rewrites keep the {args.entry} logits within "
-                      f"{args.tolerance:g} (median row error {result.error_at:.3e})[/green]")
+                      f"{args.tolerance:g} (mean row error {result.error_at:.3e})[/green]")
         return 0
     m = result.culprit
     console.print(f"[red]rewrite {result.culprit_index} of {result.total_rewrites} breaks numerics[/red]: "
                   f"{m.pass_name} at {m.location} -> kernel {m.kernel}")
-    console.print(f"median row error {result.error_before:.3e} with {result.culprit_index - 1} rewrites, "
+    console.print(f"mean row error {result.error_before:.3e} with {result.culprit_index - 1} rewrites, "
                   f"{result.error_at:.3e} with {result.culprit_index}")
     return 1
 
@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bis = sub.add_parser("bisect", help="find the first rewrite that breaks numerics beyond a tolerance")
     _add_target(bis)
-    bis.add_argument("--tolerance", type=float, default=1e-2, help="median per-row relative error allowed")
+    bis.add_argument("--tolerance", type=float, default=1e-2, help="mean per-row relative error allowed")
     bis.add_argument("--entry", choices=["forward", "decode"], default="forward")
     bis.set_defaults(func=_bisect)
 

@@ -82,8 +82,8 @@ class BisectResult:
 
 def bisect(model: DeepSeekV4, *, backend: str = "auto", tolerance: float = 1e-2, entry: str = "forward",
            passes: list[str] | None = None, progress: Callable[[int, float], None] | None = None) -> BisectResult:
-    """Finds the first rewrite whose inclusion makes the median per-row relative error of ``entry``'s
-    logits exceed ``tolerance``, by binary search over optimization fuel on one captured graph."""
+    """Finds the first rewrite whose inclusion makes the mean per-row relative error of ``entry``'s logits
+    exceed ``tolerance``, by binary search over optimization fuel on one captured graph."""
     if entry not in ("forward", "decode"):
         raise ValueError(f"bisect entry must be 'forward' or 'decode', got {entry!r}")
     kernel_backend = resolve_backend(backend)
@@ -121,7 +121,7 @@ def bisect(model: DeepSeekV4, *, backend: str = "auto", tolerance: float = 1e-2,
             out = gm(*args)
         outs = out if isinstance(out, (tuple, list)) else [out]
         logits = next(o for o in outs if isinstance(o, torch.Tensor) and o.shape == reference.shape)
-        value = row_errors(logits, reference).median().item()
+        value = row_errors(logits, reference).mean().item()
         if progress:
             progress(fuel, value)
         return value, manager

@@ -97,14 +97,21 @@ def test_radix_topk_property_random_with_many_ties(n: int, k: int, seed: int, le
 def test_fp64_gradcheck_of_every_op(backend: str) -> None:
     torch.manual_seed(0)
     opts = {"dtype": torch.float64, "requires_grad": True}
+    fast = backend != "reference"
     for ratio, c, width in [(4, 2, 8), (8, 1, 8)]:
-        kv, score = torch.randn(2, 3 * ratio + 1, c * width, **opts), torch.randn(2, 3 * ratio + 1, c * width, **opts)
+        tokens = 3 * ratio + 1
+        kv, score = torch.randn(2, tokens, c * width, **opts), torch.randn(2, tokens, c * width, **opts)
         ape = torch.randn(ratio, c * width, **opts)
-        assert torch.autograd.gradcheck(lambda a, b, e: ops.compressor_pool(a, b, e, ratio, width, 3, backend),
-                                        (kv, score, ape), fast_mode=backend != "reference")
-        state_kv, state_score = torch.randn(2, c * ratio, c * width, **opts), torch.randn(2, c * ratio, c * width, **opts)
-        assert torch.autograd.gradcheck(lambda a, b: ops.compressor_pool_state(a, b, ratio, width, backend),
-                                        (state_kv, state_score), fast_mode=backend != "reference")
+
+        def pool(a, b, e, ratio=ratio, width=width):
+            return ops.compressor_pool(a, b, e, ratio, width, 3, backend)
+
+        def pool_state(a, b, ratio=ratio, width=width):
+            return ops.compressor_pool_state(a, b, ratio, width, backend)
+
+        assert torch.autograd.gradcheck(pool, (kv, score, ape), fast_mode=fast)
+        state = (torch.randn(2, c * ratio, c * width, **opts), torch.randn(2, c * ratio, c * width, **opts))
+        assert torch.autograd.gradcheck(pool_state, state, fast_mode=fast)
     x = torch.randn(3, 40, **opts)
     assert torch.autograd.gradcheck(lambda t: ops.radix_topk(t, 6, False, backend)[0], (x,),
                                     fast_mode=backend != "reference")

@@ -43,7 +43,9 @@ def _run(op: str, backend: str, *args: Any) -> Any:
 @torch.library.custom_op("v4compile::compressor_pool", mutates_args=())
 def compressor_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, width: int,
                     n_blocks: int, backend: str) -> torch.Tensor:
-    """Compressed entries [B, n_blocks, width] (fp32, fp64 for fp64 inputs): bias, per-dim softmax over each block's tokens, sum."""
+    """Compressed entries [B, n_blocks, width]: bias, per-dim softmax over each block's tokens, weighted sum.
+
+    Accumulates in fp32 (fp64 for fp64 inputs)."""
     return _run("compressor_pool", backend, kv, score, ape, ratio, width, n_blocks)
 
 

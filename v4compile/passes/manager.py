@@ -89,7 +89,7 @@ def apply_rewrite(graph: fx.Graph, rewrite: Rewrite, check: Match | None = None)
         new.meta.update({k: v for k, v in rewrite.sink.meta.items() if k != "val"})
         outputs: dict[Any, fx.Node] = {}
         if rewrite.outputs:
-            for index, old in rewrite.outputs.items():
+            for index in rewrite.outputs:
                 outputs[index] = graph.call_function(operator.getitem, (new, index))
         if check is not None:
             recorder = _CheckRecorder(check)

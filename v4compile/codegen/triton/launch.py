@@ -28,5 +28,6 @@ def lowered_text(kernel: object) -> str | None:
         for compiled in compiled_map.values():
             asm = getattr(compiled, "asm", None)
             if asm:
-                return "\n".join(f"// ---- {k}\n{v}" for k, v in asm.items() if isinstance(v, str) and k in ("ttgir", "ptx"))
+                parts = [f"// ---- {k}\n{v}" for k, v in asm.items() if isinstance(v, str) and k in ("ttgir", "ptx")]
+                return "\n".join(parts)
     return None
