@@ -35,6 +35,12 @@ def _add_target(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--preset", default="tiny", help="model preset with seeded random weights (default tiny)")
     group.add_argument("--checkpoint", help="checkpoint directory (config.json + *.safetensors)")
     parser.add_argument("--backend", default="auto", help="kernel backend: auto, triton, tilelang, reference")
+    parser.add_argument("--entry", choices=["all", "forward", "prefill", "decode"], default="all",
+                        help="which entry points to compile (default all)")
+
+
+def _entries(args: argparse.Namespace) -> tuple[str, ...]:
+    return ("forward", "prefill", "decode") if args.entry == "all" else (args.entry,)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -61,12 +67,12 @@ def _explain(args: argparse.Namespace) -> int:
 
     model = _model(args)
     with _progress("capturing forward, prefill and decode and running the passes"):
-        optimized = explain(model, backend=args.backend, debug_dir=getattr(args, "out", None))
+        optimized = explain(model, backend=args.backend, entries=_entries(args))
     reports = optimized.reports()
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=1, default=str))
         return 0
-    names = ["forward", "prefill", "decode"]
+    names = list(_entries(args))
     for i, report in enumerate(reports):
         title = names[i] if i < len(names) else report.graph
         matches = Table(title=f"{title}: {len(report.matches)} rewrites ({report.nodes_before} -> "
@@ -95,7 +101,7 @@ def _dump(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     with _progress(f"dumping graphs into {out}"):
-        explain(_model(args), backend=args.backend, debug_dir=out)
+        explain(_model(args), backend=args.backend, debug_dir=out, entries=_entries(args))
     files = sorted(p.relative_to(out) for p in out.rglob("*.txt"))
     console.print(f"wrote {len(files)} graphs (captured, then after each pass that changed it) under {out}:")
     for f in files:
@@ -108,7 +114,7 @@ def _kernels(args: argparse.Namespace) -> int:
     from .debugging import explain
 
     with _progress("building the kernels the passes choose"):
-        explain(_model(args), backend=args.backend)
+        explain(_model(args), backend=args.backend, entries=_entries(args))
     if args.show:
         record = REGISTRY.records.get(args.show)
         if record is None:
@@ -143,9 +149,9 @@ def _bisect(args: argparse.Namespace) -> int:
         def tick(fuel: int, error: float) -> None:
             progress.console.print(f"  fuel {fuel:4d}: mean row error {error:.3e}")
 
-        result = bisect(model, backend=args.backend, tolerance=args.tolerance, entry=args.entry, progress=tick)
+        result = bisect(model, backend=args.backend, tolerance=args.tolerance, entry=args.bisect_entry, progress=tick)
     if result.culprit is None:
-        console.print(f"[green]all {result.total_rewrites} rewrites keep the {args.entry} logits within "
+        console.print(f"[green]all {result.total_rewrites} rewrites keep the {args.bisect_entry} logits within "
                       f"{args.tolerance:g} (mean row error {result.error_at:.3e})[/green]")
         return 0
     m = result.culprit
@@ -210,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     bis = sub.add_parser("bisect", help="find the first rewrite that breaks numerics beyond a tolerance")
     _add_target(bis)
     bis.add_argument("--tolerance", type=float, default=1e-2, help="mean per-row relative error allowed")
-    bis.add_argument("--entry", choices=["forward", "decode"], default="forward")
+    bis.add_argument("--graph", dest="bisect_entry", choices=["forward", "decode"], default="forward",
+                     help="which graph to bisect")
     bis.set_defaults(func=_bisect)
 
     chk = sub.add_parser("check", help="optimized vs eager vs a golden folder")

@@ -41,7 +41,8 @@ def run_entries(optimized: OptimizedModel, ids: torch.Tensor, entries: tuple[str
             out["forward"] = optimized(ids)
         if "prefill" in entries or "decode" in entries:
             cache = optimized.new_cache(ids.shape[0])
-            out["prefill"] = optimized(ids, cache=cache)
+            prefill = optimized if "prefill" in entries else optimized.model
+            out["prefill"] = prefill(ids, cache=cache)
             if "decode" in entries:
                 token, steps = out["prefill"][:, -1:].argmax(-1), []
                 for i in range(decode_steps):

@@ -50,6 +50,7 @@ class KernelRegistry:
         self.records: dict[str, KernelRecord] = {}
         self._kernels: dict[str, Any] = {}
         self._failed: dict[str, str] = {}
+        self._pending_regions: dict[str, list[str]] = {}
         self._lock = threading.Lock()
 
     def build(self, name: str, backend: str, op: str, source: str,
@@ -65,7 +66,8 @@ class KernelRegistry:
             path = cache_dir() / f"{name.replace('.', '_')}_{digest}.py"
             if not path.exists() or path.read_text() != source:
                 path.write_text(source)
-            record = self.records.get(name) or KernelRecord(name, backend, op, source, digest, str(path))
+            record = self.records.get(name) or KernelRecord(name, backend, op, source, digest, str(path),
+                                                            regions=self._pending_regions.pop(name, []))
             record.source, record.source_hash, record.path = source, digest, str(path)
             self.records[name] = record
             try:
@@ -102,8 +104,9 @@ class KernelRegistry:
     def note_region(self, name: str, region: str) -> None:
         """Records that ``name`` replaced the graph region described by ``region``."""
         record = self.records.get(name)
-        if record is not None and region not in record.regions:
-            record.regions.append(region)
+        regions = record.regions if record is not None else self._pending_regions.setdefault(name, [])
+        if region not in regions:
+            regions.append(region)
 
     def set_lowered(self, name: str, lowered: str) -> None:
         """Stores the backend's lowered code (PTX/TTGIR, or TileLang's generated C/CUDA)."""

@@ -1,0 +1,60 @@
+"""The ``v4compile`` command's debugging tools, run in-process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from v4compile import cli
+from v4compile.cli import main
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "console", Console(width=250))
+
+
+def test_passes_lists_every_pass(capsys: pytest.CaptureFixture) -> None:
+    assert main(["passes"]) == 0
+    out = capsys.readouterr().out
+    assert "compressor_fusion" in out and "radix_topk" in out and "max_k" in out
+
+
+def test_explain_json_reports_matches_and_near_misses(capsys: pytest.CaptureFixture) -> None:
+    assert main(["explain", "--entry", "decode", "--backend", "reference", "--json"]) == 0
+    reports = json.loads(capsys.readouterr().out)
+    passes = {p["name"]: p for p in reports[0]["passes"]}
+    forms = {m["details"]["form"] for m in passes["compressor_fusion"]["matches"]}
+    assert forms == {"decode"} and len(passes["compressor_fusion"]["matches"]) == 5
+    assert len(passes["radix_topk"]["matches"]) == 2
+    assert any("only 8 candidates" in m["reason"] for m in passes["radix_topk"]["near_misses"])
+
+
+def test_dump_writes_graphs_per_pass(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["dump", str(tmp_path), "--entry", "forward", "--backend", "reference"]) == 0
+    names = sorted(p.name for p in (tmp_path / "graph0").glob("*.txt"))
+    assert names == ["00-captured.txt", "01-after-compressor_fusion.txt", "02-after-radix_topk.txt"]
+
+
+def test_kernels_show_prints_source_and_launch(capsys: pytest.CaptureFixture) -> None:
+    assert main(["kernels", "--entry", "decode", "--backend", "triton",
+                 "--show", "compressor_pool_state.c128.w128.triton"]) == 0
+    out = capsys.readouterr().out
+    assert "@triton.jit" in out and "RATIO = 128" in out and "grid" in out and "compressor_fusion @" in out
+    assert main(["kernels", "--entry", "decode", "--show", "nope"]) == 2
+
+
+def test_bad_arguments_are_clear(capsys: pytest.CaptureFixture) -> None:
+    assert main(["explain", "--backend", "cuda", "--entry", "forward"]) == 2
+    assert "unknown backend 'cuda'" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["explain", "--entry", "sideways"])
+
+
+def test_check_against_a_golden_folder(golden_root: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["check", str(golden_root / "tiny-bf16"), "--backend", "reference"]) == 0
+    out = capsys.readouterr().out
+    assert "optimized vs golden" in out and "optimized vs eager" in out
