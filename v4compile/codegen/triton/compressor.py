@@ -4,6 +4,7 @@ sum, write, in one pass that reads kv and score once (prefill form and decode-st
 from __future__ import annotations
 
 import torch
+import triton
 
 from ..reference import accumulation_dtype
 from ..registry import REGISTRY
@@ -13,52 +14,65 @@ _POOL = '''
 import triton
 import triton.language as tl
 
-RATIO = {ratio}
-WIDTH = {width}
-OVERLAP = {overlap}
-ACC = {acc}
+RATIO = tl.constexpr({ratio})
+WIDTH = tl.constexpr({width})
+OVERLAP = tl.constexpr({overlap})
+ACC = tl.constexpr({acc})
 
 
 @triton.jit
-def {fn}(KV, SCORE, APE, OUT, n_blocks, s_kb, s_ks, s_ob, s_on, BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0)
-    b = pid // n_blocks
-    j = pid % n_blocks
+def _absorb(m, s, acc, kv, z):
+    # online softmax over axis 1 of [BLOCK_J, CHUNK, BLOCK_D] tiles
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    scale = tl.exp(m - m_new)
+    e = tl.exp(z - m_new[:, None, :])
+    return m_new, s * scale + tl.sum(e, axis=1), acc * scale + tl.sum(e * kv, axis=1)
+
+
+@triton.jit
+def {fn}(KV, SCORE, APE, OUT, n_blocks, s_kb, s_ks, s_ob, s_on,
+         BLOCK_J: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
+    # one program: BLOCK_J consecutive entries x BLOCK_D dims; kv and score are read once
+    per_b = tl.cdiv(n_blocks, BLOCK_J)
+    b = tl.program_id(0) // per_b
+    jj = (tl.program_id(0) % per_b) * BLOCK_J + tl.arange(0, BLOCK_J)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    dmask = d < WIDTH
-    r = tl.arange(0, RATIO)
-    rows = j * RATIO + r
+    cols = (2 if OVERLAP else 1) * WIDTH
+    lane = (jj < n_blocks)[:, None, None] & (d < WIDTH)[None, None, :]
+    m = tl.full([BLOCK_J, BLOCK_D], float("-inf"), ACC)
+    s = tl.zeros([BLOCK_J, BLOCK_D], ACC)
+    acc = tl.zeros([BLOCK_J, BLOCK_D], ACC)
     cur = (WIDTH if OVERLAP else 0) + d
-    ptr = b * s_kb + rows[:, None] * s_ks + cur[None, :]
-    kv_c = tl.load(KV + ptr, mask=dmask[None, :], other=0.0).to(ACC)
-    ape_c = tl.load(APE + r[:, None] * ((2 if OVERLAP else 1) * WIDTH) + cur[None, :], mask=dmask[None, :], other=0.0)
-    z_c = tl.load(SCORE + ptr, mask=dmask[None, :], other=0.0).to(ACC) + ape_c
-    m = tl.max(z_c, axis=0)
+    for r0 in tl.static_range(0, RATIO, CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        rows = jj[:, None, None] * RATIO + r[None, :, None]
+        ptr = b * s_kb + rows * s_ks + cur[None, None, :]
+        kv = tl.load(KV + ptr, mask=lane, other=0.0).to(ACC)
+        bias = tl.load(APE + r[None, :, None] * cols + cur[None, None, :], mask=lane, other=0.0).to(ACC)
+        z = tl.load(SCORE + ptr, mask=lane, other=0.0).to(ACC) + bias
+        m, s, acc = _absorb(m, s, acc, kv, z)
     if OVERLAP:
-        pmask = dmask[None, :] & (rows[:, None] >= RATIO)
-        pptr = b * s_kb + (rows[:, None] - RATIO) * s_ks + d[None, :]
-        kv_p = tl.load(KV + pptr, mask=pmask, other=0.0).to(ACC)
-        ape_p = tl.load(APE + r[:, None] * (2 * WIDTH) + d[None, :], mask=dmask[None, :], other=0.0).to(ACC)
-        z_p = tl.load(SCORE + pptr, mask=pmask, other=float("-inf")).to(ACC) + ape_p
-        m = tl.maximum(m, tl.max(z_p, axis=0))
-    e_c = tl.exp(z_c - m[None, :])
-    total = tl.sum(e_c, axis=0)
-    acc = tl.sum(e_c * kv_c, axis=0)
-    if OVERLAP:
-        e_p = tl.exp(z_p - m[None, :])
-        total += tl.sum(e_p, axis=0)
-        acc += tl.sum(e_p * kv_p, axis=0)
-    tl.store(OUT + b * s_ob + j * s_on + d, acc / total, mask=dmask)
+        r = tl.arange(0, RATIO)
+        rows = (jj[:, None, None] - 1) * RATIO + r[None, :, None]
+        prev = lane & (rows >= 0)
+        ptr = b * s_kb + rows * s_ks + d[None, None, :]
+        kv = tl.load(KV + ptr, mask=prev, other=0.0).to(ACC)
+        bias = tl.load(APE + r[None, :, None] * cols + d[None, None, :], mask=lane, other=0.0).to(ACC)
+        z = tl.load(SCORE + ptr, mask=prev, other=float("-inf")).to(ACC) + bias
+        m, s, acc = _absorb(m, s, acc, kv, z)
+    out = OUT + b * s_ob + jj[:, None] * s_on + d[None, :]
+    tl.store(out, acc / s, mask=(jj < n_blocks)[:, None] & (d < WIDTH)[None, :])
 '''
+
 
 _POOL_STATE = '''
 import triton
 import triton.language as tl
 
-RATIO = {ratio}
-WIDTH = {width}
-OVERLAP = {overlap}
-ACC = {acc}
+RATIO = tl.constexpr({ratio})
+WIDTH = tl.constexpr({width})
+OVERLAP = tl.constexpr({overlap})
+ACC = tl.constexpr({acc})
 
 
 @triton.jit
@@ -104,7 +118,17 @@ def pool_kernel_name(ratio: int, width: int, state: bool, dtype: torch.dtype = t
     return f"compressor_pool{'_state' if state else ''}.c{ratio}.w{width}{suffix}.triton"
 
 
+_BUILT: dict[tuple, tuple] = {}
+
+
 def _kernel(ratio: int, width: int, overlap: bool, state: bool, interpret: bool, dtype: torch.dtype):
+    key = (ratio, width, overlap, state, interpret, dtype)
+    if key not in _BUILT:
+        _BUILT[key] = _build(ratio, width, overlap, state, interpret, dtype)
+    return _BUILT[key]
+
+
+def _build(ratio: int, width: int, overlap: bool, state: bool, interpret: bool, dtype: torch.dtype):
     name = pool_kernel_name(ratio, width, state, dtype)
     fn = name.split(".")[0]
     template = _POOL_STATE if state else _POOL
@@ -113,6 +137,14 @@ def _kernel(ratio: int, width: int, overlap: bool, state: bool, interpret: bool,
     module = REGISTRY.build(name, "triton", f"v4compile::{fn}", source,
                             lambda path: load_triton_module(path, interpret))
     return name, getattr(module, fn)
+
+
+def pool_launch_config(ratio: int, width: int) -> dict[str, int]:
+    """Tile shape: several small C4 blocks per program, one C128 block streamed in row chunks."""
+    block_d = min(128 if ratio >= 64 else 64, triton_next_pow2(width))
+    if ratio >= 64:
+        return {"BLOCK_J": 1, "CHUNK": 16, "BLOCK_D": block_d, "num_warps": 4}
+    return {"BLOCK_J": 16, "CHUNK": ratio, "BLOCK_D": block_d, "num_warps": 4}
 
 
 def compressor_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, width: int,
@@ -126,11 +158,11 @@ def compressor_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ra
     out = torch.empty(bsz, n_blocks, width, dtype=acc, device=kv.device)
     if bsz * n_blocks == 0:
         return out
-    block_d = _block_d(width)
-    grid = (bsz * n_blocks, -(-width // block_d))
+    config = pool_launch_config(ratio, width)
+    grid = (bsz * triton.cdiv(n_blocks, config["BLOCK_J"]), triton.cdiv(width, config["BLOCK_D"]))
     REGISTRY.launch(name, lambda: kernel[grid](kv, score, ape, out, n_blocks, kv.stride(0), kv.stride(1),
-                                               out.stride(0), out.stride(1), BLOCK_D=block_d))
-    REGISTRY.note_launch(name, grid=grid, BLOCK_D=block_d, num_warps=4, tokens=kv.shape[1])
+                                               out.stride(0), out.stride(1), **config))
+    REGISTRY.note_launch(name, grid=grid, tokens=kv.shape[1], **config)
     if kv.device.type == "cuda" and REGISTRY.records[name].lowered is None:
         REGISTRY.set_lowered(name, lowered_text(kernel) or "")
     return out

@@ -13,8 +13,8 @@ _SOURCE = '''
 import triton
 import triton.language as tl
 
-K = {k}
-BLOCK = {block}
+K = tl.constexpr({k})
+BLOCK = tl.constexpr({block})
 
 
 @triton.jit

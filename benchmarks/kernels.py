@@ -1,0 +1,183 @@
+"""Kernel benchmark: for each kernel and shape one row with ours, the model's PyTorch code in eager, the same
+code under plain torch.compile, the floor (bytes moved / measured copy bandwidth) and ours as % of floor.
+
+Run on the GPU machine from the repository root:
+
+    PYTHONPATH=. python3 benchmarks/kernels.py [--out results.json] [--quick]
+
+It measures the ceilings (device copy bandwidth, bf16 matmul rate) itself at start, checks every kernel
+against the reference on fresh random inputs before timing it, and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from v4compile.codegen import ops, reference
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    ours_us: float
+    eager_us: float
+    compiled_us: float | None
+    floor_us: float
+    bytes: int
+    note: str = ""
+
+    @property
+    def pct_of_floor(self) -> float:
+        return 100.0 * self.floor_us / self.ours_us
+
+
+def bench(fn: Callable[[], object], quick: bool) -> float:
+    """Median microseconds of ``fn`` (CUDA events via triton.testing.do_bench)."""
+    from triton.testing import do_bench
+
+    return 1e3 * do_bench(fn, warmup=25 if quick else 100, rep=100 if quick else 400, return_mode="median")
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured in a CUDA graph; returns the replay (launch gaps gone, as in the runtime's decode)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def ceilings(quick: bool) -> dict[str, float]:
+    """Measured device-to-device copy bandwidth (bytes read + written per s) and bf16 matmul FLOP/s."""
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.float32)
+    dst = torch.empty_like(src)
+    copy_us = bench(lambda: dst.copy_(src), quick)
+    copy_bw = 2 * src.nbytes / (copy_us * 1e-6)
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    mm_us = bench(lambda: a @ b, quick)
+    return {"copy_bytes_per_s": copy_bw, "bf16_flop_per_s": 2 * n**3 / (mm_us * 1e-6)}
+
+
+def _compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return torch.compile(fn, dynamic=False)
+
+
+def _ran(prefix: str) -> None:
+    """Fails unless every kernel whose name starts with ``prefix`` built and ran (no silent fallback)."""
+    from v4compile.codegen.registry import REGISTRY
+
+    records = [r for n, r in REGISTRY.records.items() if n.startswith(prefix)]
+    if not records or any(r.error or not r.launches for r in records):
+        raise AssertionError(f"kernel {prefix}* did not run: {[(r.name, r.error) for r in records]}")
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = 1e-4) -> None:
+    err = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+    if not err < tol:
+        raise AssertionError(f"{what}: relative error {err:.2e} exceeds {tol:.0e}")
+
+
+def compressor_prefill_row(ceil: dict[str, float], quick: bool, ratio: int, tokens: int = 65536,
+                           width: int = 512) -> Row:
+    """The fused prefill pooling over ``tokens`` tokens of fp32 kv and score projections."""
+    c = 2 if ratio == 4 else 1
+    kv = torch.randn(1, tokens, c * width, device="cuda")
+    score = torch.randn(1, tokens, c * width, device="cuda")
+    ape = torch.randn(ratio, c * width, device="cuda")
+    n = tokens // ratio
+    ref = reference.compressor_pool
+    want = ref(kv.double(), score.double(), ape.double(), ratio, width, n)
+    _check(ops.compressor_pool(kv, score, ape, ratio, width, n, "triton"), want, f"compressor C{ratio}")
+    _ran(f"compressor_pool.c{ratio}.w{width}.triton")
+    compiled = _compiled(ref)
+    compiled(kv, score, ape, ratio, width, n)
+    moved = kv.nbytes + score.nbytes + ape.nbytes + n * width * 4
+    return Row(f"compressor pool C{ratio} (prefill)", f"{tokens} tok x {c * width}",
+               bench(lambda: ops.compressor_pool(kv, score, ape, ratio, width, n, "triton"), quick),
+               bench(lambda: ref(kv, score, ape, ratio, width, n), quick),
+               bench(lambda: compiled(kv, score, ape, ratio, width, n), quick),
+               1e6 * moved / ceil["copy_bytes_per_s"], moved)
+
+
+def compressor_decode_row(ceil: dict[str, float], quick: bool, batch: int, ratio: int = 4, width: int = 512) -> Row:
+    """The one-token decode update's pooling over the compressor state, timed as CUDA graph replays."""
+    kv = torch.randn(batch, 2 * ratio, 2 * width, device="cuda")
+    score = torch.randn(batch, 2 * ratio, 2 * width, device="cuda")
+    ref = reference.compressor_pool_state
+    want = ref(kv.double(), score.double(), ratio, width)
+    _check(ops.compressor_pool_state(kv, score, ratio, width, "triton"), want, "compressor state")
+    _ran(f"compressor_pool_state.c{ratio}.w{width}.triton")
+    compiled = _compiled(ref)
+    compiled(kv, score, ratio, width)
+    moved = kv.nbytes // 2 + score.nbytes // 2 + batch * width * 4
+
+    def ours() -> torch.Tensor:
+        return ops.compressor_pool_state(kv, score, ratio, width, "triton")
+
+    host_us = bench(ours, quick)
+    return Row("compressor decode update C4 (CUDA graph)", f"batch {batch}", bench(graphed(ours), quick),
+               bench(graphed(lambda: ref(kv, score, ratio, width)), quick),
+               bench(graphed(lambda: compiled(kv, score, ratio, width)), quick),
+               1e6 * moved / ceil["copy_bytes_per_s"], moved, note=f"host call {host_us:.1f} us")
+
+
+def topk_row(ceil: dict[str, float], quick: bool, batch: int, k: int, n: int = 262144) -> Row:
+    """Exact top-k (ties to the lowest index) against the model's stable-sort prefix and torch.topk."""
+    x = torch.randn(batch, n, device="cuda")
+    x[:, : n // 8] = torch.randint(0, 4, (batch, n // 8), device="cuda").float()
+    want_v, want_i = reference.radix_topk(x, k, False)
+    got_v, got_i = ops.radix_topk(x, k, False, "triton")
+    if not (torch.equal(got_i, want_i) and torch.equal(got_v, want_v)):
+        raise AssertionError(f"radix top-k {batch}x{n} k={k} differs from the stable-sort reference")
+    _ran(f"radix_topk.k{k}.triton")
+    compiled = _compiled(lambda t: reference.radix_topk(t, k, False))
+    compiled(x)
+    topk_us = bench(lambda: torch.topk(x, k), quick)
+    moved = x.nbytes + batch * k * 12
+    return Row(f"top-k k={k}", f"batch {batch} x {n}", bench(lambda: ops.radix_topk(x, k, False, "triton"), quick),
+               bench(lambda: reference.radix_topk(x, k, False), quick), bench(lambda: compiled(x), quick),
+               1e6 * moved / ceil["copy_bytes_per_s"], moved, note=f"torch.topk {topk_us:.1f} us")
+
+
+def main() -> None:
+    """Runs every benchmark and prints the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the rows and ceilings as JSON here")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    ceil = ceilings(args.quick)
+    rows = [compressor_prefill_row(ceil, args.quick, ratio) for ratio in (4, 128)]
+    rows += [compressor_decode_row(ceil, args.quick, batch) for batch in (1, 16, 64, 256)]
+    rows += [topk_row(ceil, args.quick, batch, k) for batch, k in ((1, 512), (64, 512), (1, 1024))]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": ceil,
+                       "rows": [asdict(r) | {"pct_of_floor": r.pct_of_floor} for r in rows]}, f, indent=1)
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; copy "
+          f"{ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s")
+    print("| kernel | shape | ours us | eager us | torch.compile us | floor us | % of floor | note |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        compiled = "-" if r.compiled_us is None else f"{r.compiled_us:.1f}"
+        print(f"| {r.kernel} | {r.shape} | {r.ours_us:.1f} | {r.eager_us:.1f} | {compiled} | {r.floor_us:.1f} | "
+              f"{r.pct_of_floor:.0f}% | {r.note} |")
+
+
+if __name__ == "__main__":
+    main()
