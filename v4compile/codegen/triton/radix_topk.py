@@ -75,9 +75,11 @@ def kernel_name(k: int) -> str:
 
 def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton body of ``v4compile::radix_topk``: select in the kernel, then order the k winners."""
-    name = kernel_name(k)
+    name = kernel_name(k) if x.device.type != "cuda" or x.shape[-1] < 4096 else f"radix_topk.k{k}.wide.triton"
     n = x.shape[-1]
-    block = min(1024, triton_next_pow2(max(n, 16)))
+    cuda = x.device.type == "cuda"
+    block = min(4096 if cuda else 1024, triton_next_pow2(max(n, 16)))
+    warps = 16 if cuda and block >= 4096 else 4
     source = _SOURCE.format(k=k, block=block, fn="radix_topk")
     interpret = x.device.type != "cuda"
     module = REGISTRY.build(name, "triton", "v4compile::radix_topk", source,
@@ -85,8 +87,10 @@ def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool) -> tuple[torch.Tenso
     rows = x.reshape(-1, n).float().contiguous()
     ids = torch.empty(rows.shape[0], k, dtype=torch.int32, device=x.device)
     if rows.shape[0]:
-        REGISTRY.launch(name, lambda: module.radix_topk[(rows.shape[0],)](rows, ids, n, rows.stride(0), ids.stride(0)))
-        REGISTRY.note_launch(name, grid=(rows.shape[0],), BLOCK=block, candidates=n, num_warps=4)
+        kernel = module.radix_topk
+        REGISTRY.launch(name, lambda: kernel[(rows.shape[0],)](rows, ids, n, rows.stride(0), ids.stride(0),
+                                                              num_warps=warps))
+        REGISTRY.note_launch(name, grid=(rows.shape[0],), BLOCK=block, candidates=n, num_warps=warps)
         if x.device.type == "cuda" and REGISTRY.records[name].lowered is None:
             REGISTRY.set_lowered(name, lowered_text(module.radix_topk) or "")
     ids = ids.long()
