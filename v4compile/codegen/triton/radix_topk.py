@@ -75,7 +75,7 @@ def kernel_name(k: int) -> str:
 
 def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton body of ``v4compile::radix_topk``: select in the kernel, then order the k winners."""
-    name = kernel_name(k) if x.device.type != "cuda" or x.shape[-1] < 4096 else f"radix_topk.k{k}.wide.triton"
+    name = kernel_name(k)
     n = x.shape[-1]
     cuda = x.device.type == "cuda"
     block = min(4096 if cuda else 1024, triton_next_pow2(max(n, 16)))
