@@ -105,11 +105,15 @@ def compressor_prefill_row(ceil: dict[str, float], quick: bool, ratio: int, toke
     compiled = _compiled(ref)
     compiled(kv, score, ape, ratio, width, n)
     moved = kv.nbytes + score.nbytes + ape.nbytes + n * width * 4
-    return Row(f"compressor pool C{ratio} (prefill)", f"{tokens} tok x {c * width}",
-               bench(lambda: ops.compressor_pool(kv, score, ape, ratio, width, n, "triton"), quick),
+    ours = bench(lambda: ops.compressor_pool(kv, score, ape, ratio, width, n, "triton"), quick)
+    from v4compile.codegen.registry import REGISTRY
+
+    launch = REGISTRY.records[f"compressor_pool.c{ratio}.w{width}.triton"].launch
+    config = ", ".join(f"{k}={v}" for k, v in launch.items() if k in ("BLOCK_J", "CHUNK", "BLOCK_D", "num_warps"))
+    return Row(f"compressor pool C{ratio} (prefill)", f"{tokens} tok x {c * width}", ours,
                bench(lambda: ref(kv, score, ape, ratio, width, n), quick),
                bench(lambda: compiled(kv, score, ape, ratio, width, n), quick),
-               1e6 * moved / ceil["copy_bytes_per_s"], moved)
+               1e6 * moved / ceil["copy_bytes_per_s"], moved, note=config)
 
 
 def compressor_decode_row(ceil: dict[str, float], quick: bool, batch: int, ratio: int = 4, width: int = 512) -> Row:
