@@ -9,6 +9,7 @@ Both read kv and score once and never materialise the blocked, shifted or concat
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -92,6 +93,18 @@ def _state_halves(node: fx.Node, ratio: int, width: int, what: str) -> fx.Node:
     return a
 
 
+@dataclass
+class _Window:
+    """A softmax-weighted sum found by ``analyze``: its score and value operands and the slot geometry."""
+
+    score: fx.Node
+    values: fx.Node
+    total: fx.Node
+    ratio: int
+    width: int
+    overlap: bool
+
+
 class CompressorFusion(GraphPass):
     """Softmax-pooled KV compression (C4 overlap and C128; prefill and decode state) -> one kernel."""
 
@@ -119,19 +132,16 @@ class CompressorFusion(GraphPass):
             raise NoMatch(f"weighted values are not summed over the softmax axis {dim}")
         if len(total.args) > 2 and total.args[2]:
             raise NoMatch("the pooled sum keeps its dim")
-        if len(dims) == 4 and dim == 2:
-            return self._prefill(node, values, total, dims, ctx)
-        if len(dims) == 3 and dim == 1:
-            return self._decode(node, values, total, dims, ctx)
-        raise NoMatch(f"softmax over dim {dim} of a rank-{len(dims)} tensor is not a per-dim pooling over a block's "
-                      f"tokens (prefill: dim 2 of [B,N,slots,w]; decode: dim 1 of [B,slots,w])")
-
-    def _prefill(self, soft: fx.Node, values: fx.Node, total: fx.Node, dims: tuple[int, ...],
-                 ctx: RewriteContext) -> Rewrite:
-        slots, width = dims[2], dims[3]
-        score = soft.args[0]
+        if (len(dims), dim) not in ((4, 2), (3, 1)):
+            raise NoMatch(f"softmax over dim {dim} of a rank-{len(dims)} tensor is not a per-dim pooling over a "
+                          f"block's tokens (prefill: dim 2 of [B,N,slots,w]; decode: dim 1 of [B,slots,w])")
+        score = node.args[0]
         overlap = is_op(score, aten.cat)
-        ratio = slots // 2 if overlap else slots
+        window = _Window(score, values, total, dims[dim] // 2 if overlap else dims[dim], dims[-1], overlap)
+        return self._prefill(window, ctx) if len(dims) == 4 else self._decode(window, ctx)
+
+    def _prefill(self, w: _Window, ctx: RewriteContext) -> Rewrite:
+        score, values, ratio, width, overlap = w.score, w.values, w.ratio, w.width, w.overlap
         if overlap:
             score = _overlap_halves(score, width, float("-inf"), "score")
             values = _overlap_halves(values, width, 0.0, "kv")
@@ -147,16 +157,12 @@ class CompressorFusion(GraphPass):
         if kv_blocks != n_blocks or shape(kv_src) != shape(score_src):
             raise NoMatch("kv and score are blocked differently")
         kernel = f"compressor_pool.c{ratio}.w{width}.{ctx.backend}"
-        return Rewrite(total, ops.compressor_pool, (kv_src, score_src, ape, ratio, width, n_blocks, ctx.backend),
+        return Rewrite(w.total, ops.compressor_pool, (kv_src, score_src, ape, ratio, width, n_blocks, ctx.backend),
                        kernel, {"form": "prefill", "ratio": ratio, "width": width, "overlap": overlap,
                                 "blocks": n_blocks})
 
-    def _decode(self, soft: fx.Node, values: fx.Node, total: fx.Node, dims: tuple[int, ...],
-                ctx: RewriteContext) -> Rewrite:
-        slots, width = dims[1], dims[2]
-        score = soft.args[0]
-        overlap = is_op(score, aten.cat)
-        ratio = slots // 2 if overlap else slots
+    def _decode(self, w: _Window, ctx: RewriteContext) -> Rewrite:
+        score, values, ratio, width, overlap = w.score, w.values, w.ratio, w.width, w.overlap
         if overlap:
             score = _state_halves(score, ratio, width, "score state")
             values = _state_halves(values, ratio, width, "kv state")
@@ -166,5 +172,5 @@ class CompressorFusion(GraphPass):
             raise NoMatch(f"a softmax-weighted sum over {ratio} rows without a positional bias is not a "
                           f"compressor state (C128 states have 128 rows)")
         kernel = f"compressor_pool_state.c{ratio}.w{width}.{ctx.backend}"
-        return Rewrite(total, ops.compressor_pool_state, (values, score, ratio, width, ctx.backend), kernel,
+        return Rewrite(w.total, ops.compressor_pool_state, (values, score, ratio, width, ctx.backend), kernel,
                        {"form": "decode", "ratio": ratio, "width": width, "overlap": overlap})

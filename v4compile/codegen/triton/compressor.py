@@ -10,7 +10,7 @@ from ..reference import accumulation_dtype
 from ..registry import REGISTRY
 from .launch import load_triton_module, lowered_text
 
-_POOL = '''
+_HEADER = '''
 import triton
 import triton.language as tl
 
@@ -18,7 +18,9 @@ RATIO = tl.constexpr({ratio})
 WIDTH = tl.constexpr({width})
 OVERLAP = tl.constexpr({overlap})
 ACC = tl.constexpr({acc})
+'''
 
+_POOL = _HEADER + '''
 
 @triton.jit
 def _absorb(m, s, acc, kv, z):
@@ -65,15 +67,7 @@ def {fn}(KV, SCORE, APE, OUT, n_blocks, s_kb, s_ks, s_ob, s_on,
 '''
 
 
-_POOL_STATE = '''
-import triton
-import triton.language as tl
-
-RATIO = tl.constexpr({ratio})
-WIDTH = tl.constexpr({width})
-OVERLAP = tl.constexpr({overlap})
-ACC = tl.constexpr({acc})
-
+_POOL_STATE = _HEADER + '''
 
 @triton.jit
 def {fn}(KV, SCORE, OUT, s_kb, s_kr, s_ob, BLOCK_D: tl.constexpr):
