@@ -121,3 +121,11 @@ def test_a_model_that_is_not_v4_still_optimizes_and_the_report_says_so() -> None
     rows = optimized.report()
     assert rows and all(row["matches"] == 0 for row in rows)
     assert all(not r.matches for r in optimized.reports())
+
+
+def test_tilelang_backend_names_the_kernels_that_really_run(tiny_model: v4compile.DeepSeekV4) -> None:
+    """TileLang has the decode-state pooling; ops without a TileLang kernel run (and are named) Triton."""
+    optimized = explain(tiny_model, backend="tilelang", entries=("decode",))
+    kernels = {m.kernel for m in optimized.reports()[0].matches}
+    assert "compressor_pool_state.c4.w128.tilelang" in kernels
+    assert "radix_topk.k8.triton" in kernels

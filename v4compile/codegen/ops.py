@@ -14,6 +14,16 @@ from .registry import with_fallback
 KERNEL_BACKENDS = ("triton", "tilelang", "reference")
 
 
+def implementation_backend(op: str, backend: str) -> str:
+    """The backend whose kernel actually runs ``op`` for the requested ``backend``: TileLang ops that do not
+    exist yet run their Triton kernel (and are named so in reports and the kernel registry)."""
+    if backend == "tilelang":
+        from .tilelang import IMPLEMENTATIONS as tilelang_impls
+
+        return "tilelang" if op in tilelang_impls else "triton"
+    return backend
+
+
 def _fast_impl(op: str, backend: str) -> Callable[..., Any] | None:
     if backend == "reference":
         return None

@@ -156,7 +156,7 @@ class CompressorFusion(GraphPass):
         kv_src, kv_blocks = _blocked_source(values, ratio, "kv")
         if kv_blocks != n_blocks or shape(kv_src) != shape(score_src):
             raise NoMatch("kv and score are blocked differently")
-        kernel = f"compressor_pool.c{ratio}.w{width}.{ctx.backend}"
+        kernel = f"compressor_pool.c{ratio}.w{width}.{ops.implementation_backend('compressor_pool', ctx.backend)}"
         return Rewrite(w.total, ops.compressor_pool, (kv_src, score_src, ape, ratio, width, n_blocks, ctx.backend),
                        kernel, {"form": "prefill", "ratio": ratio, "width": width, "overlap": overlap,
                                 "blocks": n_blocks})
@@ -171,6 +171,7 @@ class CompressorFusion(GraphPass):
         if not overlap and ratio < 8:
             raise NoMatch(f"a softmax-weighted sum over {ratio} rows without a positional bias is not a "
                           f"compressor state (C128 states have 128 rows)")
-        kernel = f"compressor_pool_state.c{ratio}.w{width}.{ctx.backend}"
+        impl = ops.implementation_backend("compressor_pool_state", ctx.backend)
+        kernel = f"compressor_pool_state.c{ratio}.w{width}.{impl}"
         return Rewrite(w.total, ops.compressor_pool_state, (values, score, ratio, width, ctx.backend), kernel,
                        {"form": "decode", "ratio": ratio, "width": width, "overlap": overlap})

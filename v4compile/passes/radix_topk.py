@@ -30,6 +30,10 @@ def _last_dim_prefix(node: fx.Node, ndim: int) -> int | None:
     return int(end)
 
 
+def _kernel_name(k: int, ctx: RewriteContext) -> str:
+    return f"radix_topk.k{k}.{ops.implementation_backend('radix_topk', ctx.backend)}"
+
+
 class RadixTopK(GraphPass):
     """Top-k over many candidates -> exact radix select."""
 
@@ -67,7 +71,7 @@ class RadixTopK(GraphPass):
             raise NoMatch(f"k = {k} exceeds the radix kernel's maximum {max_k}")
         if dims[-1] < min_candidates:
             raise NoMatch(f"only {dims[-1]} candidates (< {min_candidates}): torch.topk is already cheap")
-        return Rewrite(node, ops.radix_topk, (x, k, False, ctx.backend), f"radix_topk.k{k}.{ctx.backend}",
+        return Rewrite(node, ops.radix_topk, (x, k, False, ctx.backend), _kernel_name(k, ctx),
                        {"source": "topk", "k": k, "candidates": dims[-1]})
 
     def _sort(self, node: fx.Node, dims: tuple[int, ...], ctx: RewriteContext) -> Rewrite:
@@ -101,7 +105,7 @@ class RadixTopK(GraphPass):
         details = {"source": "stable sort prefix", "k": k, "candidates": dims[-1], "masks_invalid": mask_invalid}
         sink = outputs.get(1, outputs.get(0))
         rewrite = Rewrite(sink, ops.radix_topk, (node.args[0], k, mask_invalid, ctx.backend),
-                          f"radix_topk.k{k}.{ctx.backend}", details)
+                          _kernel_name(k, ctx), details)
         rewrite.outputs = {i: next(iter(getter.users)) for i, getter in outputs.items()}
         if mask_invalid:
             ids_slice = rewrite.outputs[1]
