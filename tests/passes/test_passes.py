@@ -129,3 +129,21 @@ def test_tilelang_backend_names_the_kernels_that_really_run(tiny_model: v4compil
     kernels = {m.kernel for m in optimized.reports()[0].matches}
     assert "compressor_pool_state.c4.w128.tilelang" in kernels
     assert "radix_topk.k8.triton" in kernels
+
+
+def test_passes_run_through_the_inductor_custom_pass_interface(tiny_model: v4compile.DeepSeekV4) -> None:
+    """Each pass is a CustomGraphPass: calling it on an ATen graph rewrites that graph in place."""
+    from torch import fx
+
+    from v4compile.backend import make_backend
+    from v4compile.passes.manager import PassManager
+
+    captured: list[fx.GraphModule] = []
+    backend = make_backend(PassManager([], backend="reference"), inductor=False, captured=captured)
+    with torch.no_grad():
+        torch.compile(tiny_model, backend=backend, dynamic=False)(sample_ids(tiny_model))
+    graph = captured[0].graph
+    for graph_pass in build_passes():
+        graph_pass(graph)
+    targets = {str(n.target) for n in graph.nodes if n.op == "call_function"}
+    assert {"v4compile.compressor_pool.default", "v4compile.radix_topk.default"} <= targets
