@@ -159,6 +159,7 @@ class Agreement:
 
     @classmethod
     def of(cls, got: torch.Tensor, want: torch.Tensor) -> Agreement:
+        """Cosine similarity statistics and argmax agreement of two [..., vocab] logit tensors."""
         cos = F.cosine_similarity(got.flatten(0, -2).float(), want.flatten(0, -2).float(), dim=-1)
         agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
         return cls(cos.median().item(), cos.mean().item(), cos.min().item(), agree)

@@ -114,9 +114,11 @@ class CompressorFusion(GraphPass):
                "prefill [B,N,slots,w] or decode state [B,slots,w]")
 
     def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
+        """Every softmax: the pooling's anchor."""
         return [n for n in gm.graph.nodes if is_op(n, aten.softmax, aten._softmax)]
 
     def analyze(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
+        """Softmax -> weighted values -> sum over the softmax axis, then the prefill or decode-state layout."""
         dims = shape(node)
         if dims is None:
             raise NoMatch("softmax with a dynamic shape")

@@ -45,9 +45,11 @@ class RadixTopK(GraphPass):
                    "min_candidates": "smallest candidate count for plain topk (default 4096)"}
 
     def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
+        """Every sort and topk."""
         return [n for n in gm.graph.nodes if is_op(n, aten.sort, aten.topk)]
 
     def analyze(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
+        """A topk within the limits, or a stable descending sort whose outputs are only cut to [..., :k]."""
         dims = shape(node.args[0])
         if dims is None:
             raise NoMatch("selection over a dynamic shape")
