@@ -7,6 +7,7 @@ kernel returns the same values and ids: descending, ties to the lowest index.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 
 import torch
@@ -88,7 +89,7 @@ class RadixTopK(GraphPass):
         outputs: dict[int, fx.Node] = {}
         ks = set()
         for user in node.users:
-            if user.target is not __import__("operator").getitem:
+            if user.target is not operator.getitem:
                 raise NoMatch("sort result used whole")
             for use in user.users:
                 k = _last_dim_prefix(use, len(dims))
