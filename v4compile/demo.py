@@ -31,7 +31,7 @@ def greedy_decode(
         for i in range(steps - 1):
             nxt = outs[-1].argmax(-1)
             ids.append(nxt)
-            outs.append(model.decode_step(nxt, torch.full((batch,), length + i), cache))
+            outs.append(model.decode_step(nxt, torch.full((batch,), length + i, device=prompt.device), cache))
         decode_s = time.perf_counter() - start
         ids.append(outs[-1].argmax(-1))
     return torch.cat(ids, dim=1), torch.cat(outs, dim=1), prefill_s, decode_s
@@ -43,7 +43,8 @@ def run_demo(console: Console | None = None, prompt_len: int = 48, steps: int = 
     console = console or Console()
     torch.manual_seed(0)
     config = V4Config.preset("tiny")
-    model = DeepSeekV4(config, seed=0).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = DeepSeekV4(config, seed=0).eval().to(device)
     kinds = {0: "window", 4: "C4", 128: "C128"}
     console.rule("[bold]v4compile demo: DeepSeek-V4 tiny preset")
     console.print(f"layers: {[kinds[r] for r in config.layer_ratios]} + {config.n_mtp_layers} MTP; "
@@ -51,7 +52,7 @@ def run_demo(console: Console | None = None, prompt_len: int = 48, steps: int = 
                   f"(top {config.n_activated_experts}), window {config.window_size}, index top-k {config.index_topk}")
     console.print(f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M")
 
-    prompt = torch.randint(0, config.vocab_size, (batch, prompt_len))
+    prompt = torch.randint(0, config.vocab_size, (batch, prompt_len)).to(device)
     ids, step_logits, prefill_s, decode_s = greedy_decode(model, prompt, steps)
     with torch.no_grad():
         full = model(ids[:, :-1])[:, prompt_len - 1 :]
