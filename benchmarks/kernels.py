@@ -169,6 +169,35 @@ def topk_row(ceil: dict[str, float], quick: bool, batch: int, k: int, n: int = 2
                note=f"torch.topk {topk_us:.1f} us; ours as a host call {host_us:.1f} us")
 
 
+def sparse_attention_row(ceil: dict[str, float], quick: bool, batch: int, heads: int = 64, selected: int = 640,
+                         entries: int = 8192, dim: int = 512) -> Row:
+    """Decode attention of one C4 layer: 128 window + 512 selected entries per row, 64 heads, head dim 512."""
+    q = torch.randn(batch, 1, heads, dim, device="cuda").bfloat16()
+    kv = torch.randn(batch, entries, dim, device="cuda").bfloat16()
+    sink = torch.randn(heads, device="cuda")
+    index = torch.randint(0, entries, (batch, 1, selected), device="cuda")
+    index[:, :, -7:] = -1
+    scale = dim**-0.5
+    want = reference.sparse_attention(q.double(), kv.double(), sink.double(), index, scale)
+    _check(ops.sparse_attention(q, kv, sink, index, scale, "triton"), want, "sparse attention", tol=2e-2)
+    _ran(f"sparse_attention.d{dim}.triton")
+    compiled = _compiled(reference.sparse_attention)
+    compiled(q, kv, sink, index, scale)
+    moved = batch * (selected * dim * 2 + 2 * heads * dim * 2 + selected * 8)
+
+    def ours() -> torch.Tensor:
+        return ops.sparse_attention(q, kv, sink, index, scale, "triton")
+
+    def eager() -> torch.Tensor:
+        return reference.sparse_attention(q, kv, sink, index, scale)
+
+    host_us = bench(ours, quick)
+    return Row("sparse MQA attention with sink (decode, CUDA graph)",
+               f"batch {batch}, {heads} heads, {selected} entries", bench(graphed(ours), quick),
+               bench(graphed(eager), quick), bench(graphed(lambda: compiled(q, kv, sink, index, scale)), quick),
+               1e6 * moved / ceil["copy_bytes_per_s"], moved, note=f"host call {host_us:.1f} us")
+
+
 def main() -> None:
     """Runs every benchmark and prints the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -182,6 +211,7 @@ def main() -> None:
     rows = [compressor_prefill_row(ceil, args.quick, ratio) for ratio in (4, 128)]
     rows += [compressor_decode_row(ceil, args.quick, batch) for batch in (1, 16, 64, 256)]
     rows += [topk_row(ceil, args.quick, batch, k) for batch, k in ((1, 512), (64, 512), (1, 1024))]
+    rows += [sparse_attention_row(ceil, args.quick, batch) for batch in (1, 16, 128)]
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": ceil,

@@ -141,3 +141,29 @@ def test_registry_records_source_launch_and_disk_cache() -> None:
     with open(record.path) as f:
         assert f.read() == record.source
     assert record.source_hash in record.path
+
+
+@pytest.mark.parametrize(("bsz", "seqlen", "heads", "dim", "entries", "k"), [
+    (2, 3, 4, 128, 40, 24), (1, 2, 20, 64, 100, 37), (2, 1, 16, 32, 10, 8),
+])
+def test_sparse_attention_matches_reference(bsz: int, seqlen: int, heads: int, dim: int, entries: int, k: int) -> None:
+    torch.manual_seed(bsz * 100 + k)
+    q = torch.randn(bsz, seqlen, heads, dim).bfloat16()
+    kv = torch.randn(bsz, entries, dim).bfloat16()
+    sink = torch.randn(heads)
+    index = torch.randint(-1, entries, (bsz, seqlen, k))
+    index[0, 0] = -1
+    index[-1, -1, : k // 2] = index[-1, -1, k // 2 : 2 * (k // 2)]
+    got = ops.sparse_attention(q, kv, sink, index, dim**-0.5, "triton")
+    want = reference.sparse_attention(q, kv, sink, index, dim**-0.5)
+    assert got.dtype == torch.bfloat16 and torch.equal(got[0, 0], torch.zeros_like(got[0, 0]))
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_sparse_attention_fp64_gradcheck() -> None:
+    torch.manual_seed(5)
+    opts = {"dtype": torch.float64, "requires_grad": True}
+    q, kv, sink = torch.randn(1, 2, 3, 16, **opts), torch.randn(1, 7, 16, **opts), torch.randn(3, **opts)
+    index = torch.tensor([[[0, 3, -1, 6], [2, 2, 5, -1]]])
+    assert torch.autograd.gradcheck(lambda a, b, c: ops.sparse_attention(a, b, c, index, 0.25, "reference"),
+                                    (q, kv, sink))

@@ -41,3 +41,14 @@ def test_radix_topk_cuda_exact_with_ties_and_masks(rows: int, n: int, k: int) ->
         got_v, got_i = ops.radix_topk(x, k, mask, "triton")
         want_v, want_i = reference.radix_topk(x, k, mask)
         assert torch.equal(got_i, want_i) and torch.equal(got_v, want_v)
+
+
+@pytest.mark.parametrize(("heads", "k"), [(64, 128 + 512 + 16), (128, 200), (8, 64)])
+def test_sparse_attention_cuda(heads: int, k: int) -> None:
+    q = torch.randn(4, 1, heads, 512, device="cuda").bfloat16()
+    kv = torch.randn(4, 2048, 512, device="cuda").bfloat16()
+    sink = torch.randn(heads, device="cuda")
+    index = torch.randint(-1, 2048, (4, 1, k), device="cuda")
+    got = ops.sparse_attention(q, kv, sink, index, 512**-0.5, "triton")
+    torch.testing.assert_close(got.float(), reference.sparse_attention(q, kv, sink, index, 512**-0.5).float(),
+                               rtol=2e-2, atol=2e-2)

@@ -32,11 +32,12 @@ def _fast_impl(op: str, backend: str) -> Callable[..., Any] | None:
 
         if op in tilelang_impls:
             return tilelang_impls[op]
-    from .triton import compressor, radix_topk
+    from .triton import compressor, radix_topk, sparse_attention
 
     return {"compressor_pool": compressor.compressor_pool,
             "compressor_pool_state": compressor.compressor_pool_state,
-            "radix_topk": radix_topk.radix_topk}[op]
+            "radix_topk": radix_topk.radix_topk,
+            "sparse_attention": sparse_attention.sparse_attention}[op]
 
 
 def _run(op: str, backend: str, *args: Any) -> Any:
@@ -142,3 +143,35 @@ def _topk_backward(ctx, grad_values, grad_ids):
 
 
 radix_topk.register_autograd(_topk_backward, setup_context=_topk_setup)
+
+
+# ----------------------------------------------------------------------------- sparse_attention
+@torch.library.custom_op("v4compile::sparse_attention", mutates_args=())
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, index: torch.Tensor, scale: float,
+                     backend: str) -> torch.Tensor:
+    """Sparse MQA with sink: q [B,S,H,d] over ``kv[b, index[b,s,:]]`` (-1 masked); returns q's shape and dtype."""
+    return _run("sparse_attention", backend, q, kv, sink, index, scale)
+
+
+@sparse_attention.register_fake
+def _(q, kv, sink, index, scale, backend):
+    return torch.empty_like(q)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, kv, sink, index, scale, _ = inputs
+    ctx.save_for_backward(q, kv, sink, index)
+    ctx.scale = scale
+
+
+def _attention_backward(ctx, grad):
+    q, kv, sink, index = ctx.saved_tensors
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, kv, sink)]
+        out = reference.sparse_attention(*leaves, index, ctx.scale)
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else [])
+    return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None)
+
+
+sparse_attention.register_autograd(_attention_backward, setup_context=_attention_setup)

@@ -11,15 +11,17 @@ def sparse_attention(
     """Attends ``q`` [B, S, H, d] over ``kv[b, index[b, s, :]]`` (one entry is key and value).
 
     ``kv`` is [B, N, d]; ``index`` [B, S, K] (-1 = masked; duplicates count twice). Scores are fp32;
-    the per-head ``sink`` [H] enters only the softmax denominator. Returns [B, S, H, d] in q's dtype.
+    the per-head ``sink`` [H] enters only the softmax denominator (fp64 inputs stay fp64). Returns [B, S, H, d]
+    in q's dtype.
     """
     bsz, seqlen, k = index.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
     valid = index >= 0
     gather = index.clamp(min=0).reshape(bsz, seqlen * k, 1).expand(-1, -1, kv.shape[-1])
-    keys = torch.gather(kv, 1, gather).view(bsz, seqlen, k, -1).float()
-    scores = torch.einsum("bshd,bskd->bshk", q.float(), keys) * scale
+    keys = torch.gather(kv, 1, gather).view(bsz, seqlen, k, -1).to(acc)
+    scores = torch.einsum("bshd,bskd->bshk", q.to(acc), keys) * scale
     scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
-    sink_logits = sink.float().view(1, 1, -1, 1).expand(bsz, seqlen, -1, 1)
+    sink_logits = sink.to(acc).view(1, 1, -1, 1).expand(bsz, seqlen, -1, 1)
     probs = torch.cat((scores, sink_logits), dim=-1).softmax(dim=-1)[..., :k]
     out = torch.einsum("bshk,bskd->bshd", probs, keys)
     return out.to(q.dtype)
