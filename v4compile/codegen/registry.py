@@ -8,7 +8,7 @@ import importlib.util
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,12 +50,22 @@ class KernelRegistry:
         self.records: dict[str, KernelRecord] = {}
         self._kernels: dict[str, Any] = {}
         self._failed: dict[str, str] = {}
+        self._by_key: dict[tuple[str, Hashable], Any] = {}
         self._pending_regions: dict[str, list[str]] = {}
         self._lock = threading.Lock()
 
-    def build(self, name: str, backend: str, op: str, source: str,
-              loader: Callable[[Path], Any]) -> Any:
-        """Returns the kernel object for ``source``, writing it to the disk cache and loading it on first use."""
+    def build(self, name: str, backend: str, op: str, make_source: Callable[[], str],
+              loader: Callable[[Path], Any], key: Hashable = ()) -> Any:
+        """Returns the kernel of ``name`` specialised by ``key``; on first use generates its source, writes it
+        to the disk cache (one file per source hash) and loads it. Later calls cost one dict lookup."""
+        built = self._by_key.get((name, key))
+        if built is not None:
+            return built
+        kernel = self._build(name, backend, op, make_source(), loader)
+        self._by_key[(name, key)] = kernel
+        return kernel
+
+    def _build(self, name: str, backend: str, op: str, source: str, loader: Callable[[Path], Any]) -> Any:
         digest = hashlib.sha256(source.encode()).hexdigest()[:16]
         key = f"{name}:{digest}"
         with self._lock:
@@ -92,6 +102,8 @@ class KernelRegistry:
             for key in [k for k in self._kernels if k.startswith(f"{name}:")]:
                 self._failed[key] = record.error
                 del self._kernels[key]
+            for key in [k for k in self._by_key if k[0] == name]:
+                del self._by_key[key]
             raise KernelBuildError(f"kernel {name} failed to build: {record.error}") from exc
 
     def note_launch(self, name: str, **launch: Any) -> None:

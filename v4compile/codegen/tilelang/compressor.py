@@ -64,11 +64,11 @@ def compressor_pool_state(kv_state: torch.Tensor, score_state: torch.Tensor, rat
     overlap = kv_state.shape[-1] == 2 * width
     cuda = kv_state.device.type == "cuda"
     block_d = width if not cuda else 1
-    source = _SOURCE.format(ratio=ratio, width=width, overlap=overlap, fn="pool_state", block_d=block_d,
-                            threads=1)
     target = "cuda" if cuda else "c"
-    kernel = REGISTRY.build(name, "tilelang", "v4compile::compressor_pool_state", source,
-                            lambda path: load_module(path).build(target))
+    kernel = REGISTRY.build(name, "tilelang", "v4compile::compressor_pool_state",
+                            lambda: _SOURCE.format(ratio=ratio, width=width, overlap=overlap, fn="pool_state",
+                                                   block_d=block_d, threads=1),
+                            lambda path: load_module(path).build(target), key=(overlap, target))
     if REGISTRY.records[name].lowered is None:
         REGISTRY.set_lowered(name, kernel.get_kernel_source())
     out = REGISTRY.launch(name, lambda: kernel(kv_state.float().contiguous(), score_state.float().contiguous()))

@@ -112,24 +112,17 @@ def pool_kernel_name(ratio: int, width: int, state: bool, dtype: torch.dtype = t
     return f"compressor_pool{'_state' if state else ''}.c{ratio}.w{width}{suffix}.triton"
 
 
-_BUILT: dict[tuple, tuple] = {}
-
-
 def _kernel(ratio: int, width: int, overlap: bool, state: bool, interpret: bool, dtype: torch.dtype):
-    key = (ratio, width, overlap, state, interpret, dtype)
-    if key not in _BUILT:
-        _BUILT[key] = _build(ratio, width, overlap, state, interpret, dtype)
-    return _BUILT[key]
-
-
-def _build(ratio: int, width: int, overlap: bool, state: bool, interpret: bool, dtype: torch.dtype):
     name = pool_kernel_name(ratio, width, state, dtype)
     fn = name.split(".")[0]
-    template = _POOL_STATE if state else _POOL
     acc = "tl.float64" if dtype == torch.float64 else "tl.float32"
-    source = template.format(ratio=ratio, width=width, overlap=overlap, fn=fn, acc=acc)
+
+    def source() -> str:
+        template = _POOL_STATE if state else _POOL
+        return template.format(ratio=ratio, width=width, overlap=overlap, fn=fn, acc=acc)
+
     module = REGISTRY.build(name, "triton", f"v4compile::{fn}", source,
-                            lambda path: load_triton_module(path, interpret))
+                            lambda path: load_triton_module(path, interpret), key=(overlap, interpret))
     return name, getattr(module, fn)
 
 

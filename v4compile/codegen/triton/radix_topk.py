@@ -116,18 +116,6 @@ def radix_emit(X, STATE, COUNTS, OUT, n, s_x, s_o, iters, chunks, CHUNKS_P2: tl.
 '''
 
 
-_BUILT: dict[tuple[str, int, bool], object] = {}
-
-
-def _module(name: str, k: int, block: int, cuda: bool):
-    key = (name, block, cuda)
-    if key not in _BUILT:
-        source = _SOURCE.format(k=k, block=block)
-        _BUILT[key] = REGISTRY.build(name, "triton", "v4compile::radix_topk", source,
-                                     lambda path: load_triton_module(path, not cuda))
-    return _BUILT[key]
-
-
 def kernel_name(k: int) -> str:
     """Stable kernel name, e.g. ``radix_topk.k512.triton``."""
     return f"radix_topk.k{k}.triton"
@@ -149,7 +137,9 @@ def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool) -> tuple[torch.Tenso
     n = x.shape[-1]
     cuda = x.device.type == "cuda"
     config = launch_config(x.numel() // max(n, 1), n, cuda)
-    module = _module(name, k, config["BLOCK"], cuda)
+    block = config["BLOCK"]
+    module = REGISTRY.build(name, "triton", "v4compile::radix_topk", lambda: _SOURCE.format(k=k, block=block),
+                            lambda path: load_triton_module(path, not cuda), key=(block, cuda))
     rows = x.reshape(-1, n).float().contiguous()
     r, iters, chunks = rows.shape[0], config["iters"], config["chunks"]
     ids = torch.empty(r, k, dtype=torch.int32, device=x.device)

@@ -70,8 +70,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, inde
         raise ValueError(f"the sparse attention kernel needs a power-of-two head dim >= 16, got {dim}")
     cuda = q.device.type == "cuda"
     name = kernel_name(dim)
-    module = REGISTRY.build(name, "triton", "v4compile::sparse_attention", _SOURCE.format(dim=dim),
-                            lambda path: load_triton_module(path, not cuda))
+    module = REGISTRY.build(name, "triton", "v4compile::sparse_attention", lambda: _SOURCE.format(dim=dim),
+                            lambda path: load_triton_module(path, not cuda), key=cuda)
     q, kv, index = q.contiguous(), kv.contiguous(), index.contiguous()
     out = torch.empty_like(q)
     block_h = min(64 if cuda else 16, max(16, triton_next_pow2(heads)))
