@@ -25,13 +25,13 @@ def implementation_backend(op: str, backend: str) -> str:
 
 
 def _fast_impl(op: str, backend: str) -> Callable[..., Any] | None:
-    if backend == "reference":
+    implementation = implementation_backend(op, backend)
+    if implementation == "reference":
         return None
-    if backend == "tilelang":
+    if implementation == "tilelang":
         from .tilelang import IMPLEMENTATIONS as tilelang_impls
 
-        if op in tilelang_impls:
-            return tilelang_impls[op]
+        return tilelang_impls[op]
     from .triton import compressor, radix_topk, sparse_attention
 
     return {"compressor_pool": compressor.compressor_pool,
@@ -48,6 +48,18 @@ def _run(op: str, backend: str, *args: Any) -> Any:
     if fast is None:
         return ref(*args)
     return with_fallback(f"{op} ({backend})", lambda: fast(*args), lambda: ref(*args))
+
+
+def _reference_grads(op: str, tensors: tuple[torch.Tensor, ...], extra: tuple[Any, ...], grad: torch.Tensor,
+                     trailing: int) -> tuple[torch.Tensor | None, ...]:
+    """Backward of a custom op by recomputing its reference body on ``tensors`` (then ``extra`` args) under
+    autograd; returns one gradient per tensor (None where not required) and ``trailing`` Nones."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+        out = getattr(reference, op)(*leaves, *extra)
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else [])
+    return (*(next(grads) if t.requires_grad else None for t in leaves), *([None] * trailing))
 
 
 # ----------------------------------------------------------------------------- compressor_pool
@@ -72,13 +84,7 @@ def _pool_setup(ctx, inputs, output):
 
 
 def _pool_backward(ctx, grad):
-    kv, score, ape = ctx.saved_tensors
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (kv, score, ape)]
-        out = reference.compressor_pool(*leaves, *ctx.args)
-        wanted = [t for t in leaves if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else [])
-    return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None, None)
+    return _reference_grads("compressor_pool", ctx.saved_tensors, ctx.args, grad, trailing=4)
 
 
 compressor_pool.register_autograd(_pool_backward, setup_context=_pool_setup)
@@ -104,13 +110,7 @@ def _state_setup(ctx, inputs, output):
 
 
 def _state_backward(ctx, grad):
-    kv_state, score_state = ctx.saved_tensors
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (kv_state, score_state)]
-        out = reference.compressor_pool_state(*leaves, *ctx.args)
-        wanted = [t for t in leaves if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else [])
-    return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None)
+    return _reference_grads("compressor_pool_state", ctx.saved_tensors, ctx.args, grad, trailing=3)
 
 
 compressor_pool_state.register_autograd(_state_backward, setup_context=_state_setup)
@@ -160,18 +160,12 @@ def _(q, kv, sink, index, scale, backend):
 
 def _attention_setup(ctx, inputs, output):
     q, kv, sink, index, scale, _ = inputs
-    ctx.save_for_backward(q, kv, sink, index)
-    ctx.scale = scale
+    ctx.save_for_backward(q, kv, sink)
+    ctx.args = (index, scale)
 
 
 def _attention_backward(ctx, grad):
-    q, kv, sink, index = ctx.saved_tensors
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, kv, sink)]
-        out = reference.sparse_attention(*leaves, index, ctx.scale)
-        wanted = [t for t in leaves if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else [])
-    return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None)
+    return _reference_grads("sparse_attention", ctx.saved_tensors, ctx.args, grad, trailing=3)
 
 
 sparse_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
