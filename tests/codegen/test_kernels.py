@@ -79,6 +79,26 @@ def test_radix_topk_masked_candidates_never_win_and_missing_slots_are_minus_one(
     assert torch.isinf(values[2]).all()
 
 
+@pytest.mark.parametrize("mask", [False, True])
+def test_radix_topk_heavy_ties_and_short_rows_fill_from_the_lowest_index(mask: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 2, (3, 20000), generator=gen).float()
+    x[1, 5000:] = float("-inf")
+    x[2] = float("-inf")
+    x[2, 777::1000] = torch.arange(20.0)
+    values, ids = ops.radix_topk(x, 32, mask, "triton")
+    want_v, want_i = reference.radix_topk(x, 32, mask)
+    assert torch.equal(ids, want_i) and torch.equal(values, want_v)
+
+
+def test_radix_topk_periodic_scores_overflowing_the_candidate_room_take_the_exact_slow_path() -> None:
+    x = (torch.arange(80000) % 1250).float().view(1, -1)
+    x[0, 40000:40100] = 1249.0
+    values, ids = ops.radix_topk(x, 128, False, "triton")
+    want_v, want_i = reference.radix_topk(x, 128, False)
+    assert torch.equal(ids, want_i) and torch.equal(values, want_v)
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 300), st.integers(1, 40), st.integers(0, 2**31 - 1), st.sampled_from([2, 5, 1000]))
 def test_radix_topk_property_random_with_many_ties(n: int, k: int, seed: int, levels: int) -> None:
@@ -167,3 +187,41 @@ def test_sparse_attention_fp64_gradcheck() -> None:
     index = torch.tensor([[[0, 3, -1, 6], [2, 2, 5, -1]]])
     assert torch.autograd.gradcheck(lambda a, b, c: ops.sparse_attention(a, b, c, index, 0.25, "reference"),
                                     (q, kv, sink))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_sparse_attention_split_over_programs_matches_reference(dtype: torch.dtype, splits: int) -> None:
+    from v4compile.codegen.triton.sparse_attention import sparse_attention
+
+    torch.manual_seed(splits)
+    q, kv = torch.randn(2, 2, 20, 64).to(dtype), torch.randn(2, 50, 64).to(dtype)
+    sink = torch.randn(20) * 3
+    index = torch.randint(-1, 50, (2, 2, 70))
+    index[0, 0] = -1
+    index[1, 1, :10] = -1
+    config = {"BLOCK_H": 16, "BLOCK_K": 16, "SPLITS": splits, "num_warps": 4}
+    got = sparse_attention(q, kv, sink, index, 0.125, config)
+    want = reference.sparse_attention(q, kv, sink, index, 0.125)
+    assert torch.equal(got[0, 0], torch.zeros_like(got[0, 0]))
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_indexer_scores_match_the_model_rounding(dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    q, keys, w = torch.randn(2, 3, 10, 32).to(dtype), torch.randn(2, 70, 32).to(dtype), torch.randn(2, 3, 10).to(dtype)
+    got = ops.indexer_scores(q, keys, w, "triton")
+    want = reference.indexer_scores(q, keys, w)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 70)
+    if dtype == torch.bfloat16:  # every step rounded to bf16 as the model does: identical here
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_indexer_scores_fp64_gradcheck() -> None:
+    torch.manual_seed(4)
+    opts = {"dtype": torch.float64, "requires_grad": True}
+    q, keys, w = torch.randn(1, 2, 3, 16, **opts), torch.randn(1, 5, 16, **opts), torch.randn(1, 2, 3, **opts)
+    assert torch.autograd.gradcheck(lambda a, b, c: ops.indexer_scores(a, b, c, "reference"), (q, keys, w))

@@ -7,6 +7,10 @@ import torch
 
 from v4compile.codegen import ops, reference
 
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
 pytestmark = pytest.mark.gpu
 
 
@@ -32,10 +36,22 @@ def test_compressor_pool_state_cuda(backend: str, ratio: int, width: int) -> Non
     torch.testing.assert_close(got, reference.compressor_pool_state(kv, score, ratio, width), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 262144, 512), (7, 32768, 1024), (3, 5000, 2048), (2, 100, 8)])
-def test_radix_topk_cuda_exact_with_ties_and_masks(rows: int, n: int, k: int) -> None:
+@pytest.mark.parametrize(("rows", "n", "k", "ties"), [(1, 262144, 512, "heavy"), (7, 32768, 1024, "heavy"),
+                                                     (3, 5000, 2048, "heavy"), (2, 100, 8, "heavy"),
+                                                     (64, 262144, 512, "bf16"), (2, 1 << 20, 2048, "bf16"),
+                                                     (256, 4096, 64, "bf16"), (2, 80000, 128, "periodic"),
+                                                     (3, 262144, 512, "short")])
+def test_radix_topk_cuda_exact_with_ties_and_masks(rows: int, n: int, k: int, ties: str) -> None:
     x = torch.randn(rows, n, device="cuda")
-    x[:, : n // 3] = torch.randint(-2, 3, (rows, n // 3), device="cuda").float()
+    if ties == "heavy":  # thousands tie at the threshold: the exact slow path
+        x[:, : n // 3] = torch.randint(-2, 3, (rows, n // 3), device="cuda").float()
+    elif ties == "periodic":  # every group holds one repeated value: the candidate room overflows
+        x = (torch.arange(n, device="cuda") % 1250).float().expand(rows, n).contiguous()
+    elif ties == "short":  # fewer real scores than k: -inf fills the rest from the lowest index
+        x = torch.full((rows, n), float("-inf"), device="cuda")
+        x[:, ::1000] = torch.randn(rows, triton_cdiv(n, 1000), device="cuda")
+    else:  # bf16-valued scores like the indexer's: tens tie at the threshold
+        x = x.bfloat16().float()
     x[0, n // 2 :] = float("-inf")
     for mask in (False, True):
         got_v, got_i = ops.radix_topk(x, k, mask, "triton")
@@ -52,3 +68,14 @@ def test_sparse_attention_cuda(heads: int, k: int) -> None:
     got = ops.sparse_attention(q, kv, sink, index, 512**-0.5, "triton")
     torch.testing.assert_close(got.float(), reference.sparse_attention(q, kv, sink, index, 512**-0.5).float(),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(("batch", "keys"), [(1, 16384), (16, 4096), (3, 1000)])
+def test_indexer_scores_cuda(batch: int, keys: int) -> None:
+    q = torch.randn(batch, 2, 64, 128, device="cuda").bfloat16()
+    k = torch.randn(batch, keys, 128, device="cuda").bfloat16()
+    w = torch.randn(batch, 2, 64, device="cuda").bfloat16()
+    got = ops.indexer_scores(q, k, w, "triton")
+    want = reference.indexer_scores(q, k, w)
+    assert (got != want).float().mean() < 1e-3  # a rare last-bit difference from the fp32 summation order
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)

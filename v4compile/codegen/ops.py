@@ -32,9 +32,10 @@ def _fast_impl(op: str, backend: str) -> Callable[..., Any] | None:
         from .tilelang import IMPLEMENTATIONS as tilelang_impls
 
         return tilelang_impls[op]
-    from .triton import compressor, radix_topk, sparse_attention
+    from .triton import compressor, indexer_scores, radix_topk, sparse_attention
 
     return {"compressor_pool": compressor.compressor_pool,
+            "indexer_scores": indexer_scores.indexer_scores,
             "compressor_pool_state": compressor.compressor_pool_state,
             "radix_topk": radix_topk.radix_topk,
             "sparse_attention": sparse_attention.sparse_attention}[op]
@@ -169,3 +170,26 @@ def _attention_backward(ctx, grad):
 
 
 sparse_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+# ----------------------------------------------------------------------------- indexer_scores
+@torch.library.custom_op("v4compile::indexer_scores", mutates_args=())
+def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, backend: str) -> torch.Tensor:
+    """Lightning-indexer scores [B,S,N] (fp32) of q [B,S,H,d] against keys [B,N,d] with head weights [B,S,H]."""
+    return _run("indexer_scores", backend, q, keys, weights)
+
+
+@indexer_scores.register_fake
+def _(q, keys, weights, backend):
+    return q.new_empty(q.shape[0], q.shape[1], keys.shape[1], dtype=torch.float32)
+
+
+def _scores_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:3])
+
+
+def _scores_backward(ctx, grad):
+    return _reference_grads("indexer_scores", ctx.saved_tensors, (), grad, trailing=1)
+
+
+indexer_scores.register_autograd(_scores_backward, setup_context=_scores_setup)

@@ -14,6 +14,14 @@ from .linear import Linear
 from .rope import apply_rope
 
 
+def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``I[b, s, j] = sum_h w[b, s, h] * relu(q[b, s, h] . k[b, j])`` [B, S, N] as fp32, from q [B, S, H, d],
+    keys [B, N, d] and weights [B, S, H]; every step rounds to q's dtype (bf16 in the model), as the official
+    indexer does."""
+    dots = torch.einsum("bshd,bnd->bshn", q, keys.to(q.dtype)).relu()
+    return (dots * weights.to(q.dtype).unsqueeze(-1)).sum(dim=2).to(torch.promote_types(q.dtype, torch.float32))
+
+
 class Indexer(nn.Module):
     """Official names: ``wq_b``, ``weights_proj`` (bf16), ``compressor`` (width index_head_dim, rotating)."""
 
@@ -37,9 +45,7 @@ class Indexer(nn.Module):
         """``I[b, s, j] = sum_h w[b, s, h] * relu(q[b, s, h] . k[b, j])``, [B, S, N] (fp32 out).
 
         Computed in bf16 like the official indexer: its top-k ties and near-ties depend on that rounding."""
-        weights = self.weights_proj(x) * self.weight_scale
-        dots = torch.einsum("bshd,bnd->bshn", q, keys.to(q.dtype)).relu()
-        return (dots * weights.unsqueeze(-1)).sum(dim=2).float()
+        return index_scores(q, keys, self.weights_proj(x) * self.weight_scale)
 
     def select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Top-k entry ids among visible ones [B, S, min(topk, N)], ties to the lowest id; -1 fills missing slots.

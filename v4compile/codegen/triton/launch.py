@@ -7,6 +7,17 @@ from types import ModuleType
 
 from ..registry import KernelBuildError, load_module
 
+ROUND_BF16 = '''
+
+@triton.jit
+def _round_bf16(x):
+    # fp32 -> nearest bf16 (ties to even), kept in fp32; bit arithmetic, so the CPU interpreter (whose
+    # bf16 casts truncate) and the GPU round alike
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 32767 + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+'''
+
 
 def load_triton_module(path: Path, interpret: bool) -> ModuleType:
     """Imports a generated Triton module; CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)."""

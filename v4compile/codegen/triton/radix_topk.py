@@ -1,9 +1,16 @@
-"""Exact radix-select top-k in Triton, spread over many programs per row.
+"""Exact top-k in Triton: a threshold from group maxima, one collecting pass, a ranking kernel.
 
-Four rounds of (histogram of the next 8 bits of the float's order-preserving key over every chunk of the
-row, then pick the bucket holding the k-th largest) find the k-th key exactly; a count and an ordered
-compaction then emit every key above it and the lowest-indexed ties, exactly k. -inf never beats a real
-value; the winners are finally ordered by (value desc, index asc), the stable-sort order.
+1. ``topk_group_max``: many programs per row take the maximum key of every (strided) group of ``GROUP``
+   candidates; keys order floats as unsigned integers.
+2. ``topk_threshold``: one program per row bisects for ``t``, the k-th largest group maximum: at least k
+   candidates are ``>= t``, so every one of the top k is, and for random scores only a few more than k.
+3. ``topk_collect``: many programs per row gather every candidate ``> t``, packed as ``key << 32 | ~index``.
+4. ``topk_select``: a few programs per row walk the gathered candidates; one's rank among them (packed
+   keys are unique, so a count of larger ones) is its output position when below k: the stable
+   descending-sort order, whatever order the atomics gathered them in. Fewer than k above ``t`` leaves the
+   rest to the lowest-indexed keys equal to ``t`` (ties, or -inf filling a short row), which one program
+   emits in index order. When more than ``CAP`` candidates exceed ``t`` (clustered scores), one program
+   per row instead finds the k-th key exactly by 8-bit radix rounds over the whole row.
 """
 
 from __future__ import annotations
@@ -21,6 +28,13 @@ import triton.language as tl
 
 K = tl.constexpr({k})
 BLOCK = tl.constexpr({block})
+GROUP = tl.constexpr({group})
+TILE_G = tl.constexpr({tile_g})
+GROUPS = tl.constexpr({groups})
+CAP = tl.constexpr({cap})
+RANK = tl.constexpr({rank})
+SPAN = tl.constexpr({span})
+MASK_INVALID = tl.constexpr({mask_invalid})
 
 
 @triton.jit
@@ -32,87 +46,165 @@ def _keys(x):
 
 
 @triton.jit
-def _state(STATE, row):
-    prefix = tl.load(STATE + row * 3).to(tl.uint32, bitcast=True)
-    known = tl.load(STATE + row * 3 + 1).to(tl.uint32, bitcast=True)
-    return prefix, known
+def _packed(key, offs):
+    # larger packed value = larger key, then lower index
+    return (key.to(tl.uint64) << 32) | (4294967295 - offs.to(tl.uint64))
 
 
 @triton.jit
-def radix_hist(X, HIST, STATE, n, s_x, iters, SHIFT: tl.constexpr):
+def topk_group_max(X, GMAX, n, s_x, n_groups):
+    # group g holds candidates g, g + n_groups, g + 2 n_groups, ...: strided, so runs of large values
+    # (scores that grow with position, say) spread over many groups
+    row = tl.program_id(0)
+    groups = tl.program_id(1) * TILE_G + tl.arange(0, TILE_G)
+    offs = tl.arange(0, GROUP)[:, None] * n_groups + groups[None, :]
+    valid = (offs < n) & (groups < n_groups)[None, :]
+    key = tl.where(valid, _keys(tl.load(X + row * s_x + offs, mask=valid, other=0.0)), 0)
+    tl.store(GMAX + row * GROUPS + groups, tl.max(key, axis=0).to(tl.int32, bitcast=True), mask=groups < n_groups)
+
+
+@triton.jit
+def _narrow(hist, prefix, known, left, shift: tl.constexpr):
+    # from the histogram of the next 8 bits, the digit holding the left-th largest key
+    bins = tl.arange(0, 256)
+    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    digit = tl.max(tl.where(at_or_above >= left, bins, -1), axis=0)
+    left -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
+    return prefix | (digit.to(tl.uint32) << shift), known | (tl.full([], 255, tl.uint32) << shift), left
+
+
+@triton.jit
+def topk_threshold(GMAX, THRESH, COUNT, n_groups):
+    # the k-th largest group maximum t, by bisection over the key's bits
+    row = tl.program_id(0)
+    g = tl.arange(0, GROUPS)
+    keys = tl.load(GMAX + row * GROUPS + g, mask=g < n_groups, other=0).to(tl.uint32, bitcast=True)
+    t = tl.full([], 0, tl.uint32)
+    for bit in tl.static_range(31, -1, -1):
+        trial = t | (tl.full([], 1, tl.uint32) << bit)
+        if tl.sum((keys >= trial).to(tl.int32), axis=0) >= K:
+            t = trial
+    tl.store(THRESH + row, t.to(tl.int32, bitcast=True))
+    tl.store(COUNT + row, 0)
+
+
+@triton.jit
+def topk_collect(X, THRESH, COUNT, CAND, n, s_x, iters):
     row = tl.program_id(0)
     start = tl.program_id(1) * iters * BLOCK
-    prefix, known = _state(STATE, row)
+    threshold = tl.load(THRESH + row).to(tl.uint32, bitcast=True)
+    for it in range(iters):
+        offs = start + it * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n
+        key = _keys(tl.load(X + row * s_x + offs, mask=valid, other=0.0))
+        cand = valid & (key > threshold)
+        if tl.sum(cand.to(tl.int32), axis=0) > 0:
+            # candidates are few (about k per row): one atomic slot each beats a block-wide scan
+            pos = tl.atomic_add(COUNT + row + tl.zeros([BLOCK], tl.int32), 1, mask=cand)
+            tl.store(CAND + row * CAP + pos, _packed(key, offs).to(tl.int64, bitcast=True), mask=cand & (pos < CAP))
+
+
+@triton.jit
+def _rank(TABLE, count, mine):
+    # how many packed keys among TABLE[:count] exceed each of ``mine``
+    rank = tl.zeros([RANK], dtype=tl.int32)
+    for j in range(0, count, SPAN):
+        cols = j + tl.arange(0, SPAN)
+        other = tl.load(TABLE + cols, mask=cols < count, other=0).to(tl.uint64, bitcast=True)
+        rank += tl.sum((other[None, :] > mine[:, None]).to(tl.int32), axis=1)
+    return rank
+
+
+@triton.jit
+def _emit(X, VALUES, IDS, row, s_x, s_v, s_i, mine, rank, keep):
+    idx = (4294967295 - (mine & 4294967295)).to(tl.int64)
+    value = tl.load(X + row * s_x + idx, mask=keep)
+    if MASK_INVALID:
+        idx = tl.where(value == float("-inf"), -1, idx)
+    tl.store(VALUES + row * s_v + rank, value, mask=keep)
+    tl.store(IDS + row * s_i + rank, idx, mask=keep)
+
+
+@triton.jit
+def _radix_round(X, row, n, s_x, prefix, known, left, shift: tl.constexpr):
+    # one 8-bit radix round over the row, restricted to keys matching ``prefix`` on the ``known`` bits
     hist = tl.zeros([256], dtype=tl.int32)
-    for it in range(iters):
-        offs = start + it * BLOCK + tl.arange(0, BLOCK)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
         valid = offs < n
-        key = _keys(tl.load(X + row * s_x + offs, mask=valid, other=float("-inf")))
-        match = valid & ((key & known) == prefix)
-        hist += tl.histogram(((key >> SHIFT) & 255).to(tl.int32), 256, mask=match)
-    bins = tl.arange(0, 256)
-    tl.atomic_add(HIST + row * 256 + bins, hist, mask=hist > 0)
+        key = _keys(tl.load(X + row * s_x + offs, mask=valid, other=0.0))
+        hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=valid & ((key & known) == prefix))
+    return _narrow(hist, prefix, known, left, shift)
 
 
 @triton.jit
-def radix_select(HIST, STATE, SHIFT: tl.constexpr):
-    row = tl.program_id(0)
-    bins = tl.arange(0, 256)
-    hist = tl.load(HIST + row * 256 + bins)
-    tl.store(HIST + row * 256 + bins, tl.zeros([256], dtype=tl.int32))
-    prefix, known = _state(STATE, row)
-    need = tl.load(STATE + row * 3 + 2)
-    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-    chosen = tl.max(tl.where(at_or_above >= need, bins, -1), axis=0)
-    above = tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
-    prefix = prefix | (chosen.to(tl.uint32) << SHIFT)
-    known = known | (tl.full([], 255, tl.uint32) << SHIFT)
-    tl.store(STATE + row * 3, prefix.to(tl.int32, bitcast=True))
-    tl.store(STATE + row * 3 + 1, known.to(tl.int32, bitcast=True))
-    tl.store(STATE + row * 3 + 2, need - above)
+def _select_exactly(X, WIN, VALUES, IDS, row, n, s_x, s_v, s_i):
+    # the slow path for heavy ties: the k-th key by radix rounds, then the keys above it and the
+    # lowest-indexed ties gathered in index order into WIN, then ranked there
+    prefix = tl.full([], 0, tl.uint32)
+    known = tl.full([], 0, tl.uint32)
+    left = K
+    prefix, known, left = _radix_round(X, row, n, s_x, prefix, known, left, 24)
+    prefix, known, left = _radix_round(X, row, n, s_x, prefix, known, left, 16)
+    prefix, known, left = _radix_round(X, row, n, s_x, prefix, known, left, 8)
+    prefix, known, left = _radix_round(X, row, n, s_x, prefix, known, left, 0)
+    n_gt = 0
+    n_eq = 0
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        valid = offs < n
+        key = _keys(tl.load(X + row * s_x + offs, mask=valid, other=0.0))
+        packed = _packed(key, offs).to(tl.int64, bitcast=True)
+        gt = (valid & (key > prefix)).to(tl.int32)
+        tl.store(WIN + n_gt + tl.cumsum(gt, axis=0) - gt, packed, mask=gt > 0)
+        eq = (valid & (key == prefix)).to(tl.int32)
+        pos_eq = n_eq + tl.cumsum(eq, axis=0) - eq
+        tl.store(WIN + (K - left) + pos_eq, packed, mask=(eq > 0) & (pos_eq < left))
+        n_gt += tl.sum(gt, axis=0)
+        n_eq += tl.sum(eq, axis=0)
+    tl.debug_barrier()
+    for first in range(0, K, RANK):
+        ids = first + tl.arange(0, RANK)
+        mine = tl.load(WIN + ids, mask=ids < K, other=0).to(tl.uint64, bitcast=True)
+        _emit(X, VALUES, IDS, row, s_x, s_v, s_i, mine, _rank(WIN, K, mine), ids < K)
 
 
 @triton.jit
-def radix_count(X, STATE, COUNTS, n, s_x, iters, chunks):
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    start = chunk * iters * BLOCK
-    threshold, _ = _state(STATE, row)
-    gt = tl.zeros([BLOCK], dtype=tl.int32)
-    eq = tl.zeros([BLOCK], dtype=tl.int32)
-    for it in range(iters):
-        offs = start + it * BLOCK + tl.arange(0, BLOCK)
+def _emit_ties(X, VALUES, IDS, row, n, s_x, s_v, s_i, threshold, first):
+    # output positions first..K-1 take the lowest-indexed keys equal to the threshold, in index order
+    found = 0
+    start = 0
+    while (found < K - first) & (start < n):
+        offs = start + tl.arange(0, BLOCK)
         valid = offs < n
-        key = _keys(tl.load(X + row * s_x + offs, mask=valid, other=float("-inf")))
-        gt += (valid & (key > threshold)).to(tl.int32)
-        eq += (valid & (key == threshold)).to(tl.int32)
-    tl.store(COUNTS + (row * chunks + chunk) * 2, tl.sum(gt, axis=0))
-    tl.store(COUNTS + (row * chunks + chunk) * 2 + 1, tl.sum(eq, axis=0))
+        x = tl.load(X + row * s_x + offs, mask=valid, other=0.0)
+        eq = (valid & (_keys(x) == threshold)).to(tl.int32)
+        pos = first + found + tl.cumsum(eq, axis=0) - eq
+        keep = (eq > 0) & (pos < K)
+        idx = offs.to(tl.int64)
+        if MASK_INVALID:
+            idx = tl.where(x == float("-inf"), -1, idx)
+        tl.store(VALUES + row * s_v + pos, x, mask=keep)
+        tl.store(IDS + row * s_i + pos, idx, mask=keep)
+        found += tl.sum(eq, axis=0)
+        start += BLOCK
 
 
 @triton.jit
-def radix_emit(X, STATE, COUNTS, OUT, n, s_x, s_o, iters, chunks, CHUNKS_P2: tl.constexpr):
+def topk_select(X, THRESH, COUNT, CAND, VALUES, IDS, n, s_x, s_v, s_i):
     row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    start = chunk * iters * BLOCK
-    threshold, _ = _state(STATE, row)
-    need = tl.load(STATE + row * 3 + 2)
-    before = tl.arange(0, CHUNKS_P2)
-    earlier = before < chunk
-    seen_gt = tl.sum(tl.load(COUNTS + (row * chunks + before) * 2, mask=earlier, other=0), axis=0)
-    seen_eq = tl.sum(tl.load(COUNTS + (row * chunks + before) * 2 + 1, mask=earlier, other=0), axis=0)
-    for it in range(iters):
-        offs = start + it * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < n
-        key = _keys(tl.load(X + row * s_x + offs, mask=valid, other=float("-inf")))
-        gt = (valid & (key > threshold)).to(tl.int32)
-        eq = (valid & (key == threshold)).to(tl.int32)
-        pos_gt = seen_gt + tl.cumsum(gt, axis=0) - gt
-        tl.store(OUT + row * s_o + pos_gt, offs, mask=gt > 0)
-        pos_eq = seen_eq + tl.cumsum(eq, axis=0) - eq
-        tl.store(OUT + row * s_o + (K - need) + pos_eq, offs, mask=(eq > 0) & (pos_eq < need))
-        seen_gt += tl.sum(gt, axis=0)
-        seen_eq += tl.sum(eq, axis=0)
+    total = tl.load(COUNT + row)
+    if total <= CAP:
+        if (tl.program_id(1) == 0) & (total < K):
+            _emit_ties(X, VALUES, IDS, row, n, s_x, s_v, s_i, tl.load(THRESH + row).to(tl.uint32, bitcast=True),
+                       total)
+        for first in range(tl.program_id(1) * RANK, total, tl.num_programs(1) * RANK):
+            ids = first + tl.arange(0, RANK)
+            mine = tl.load(CAND + row * CAP + ids, mask=ids < total, other=0).to(tl.uint64, bitcast=True)
+            rank = _rank(CAND + row * CAP, total, mine)
+            _emit(X, VALUES, IDS, row, s_x, s_v, s_i, mine, rank, (ids < total) & (rank < K))
+    elif tl.program_id(1) == 0:
+        _select_exactly(X, CAND + row * CAP, VALUES, IDS, row, n, s_x, s_v, s_i)
 '''
 
 
@@ -121,50 +213,61 @@ def kernel_name(k: int) -> str:
     return f"radix_topk.k{k}.triton"
 
 
-def launch_config(rows: int, n: int, cuda: bool) -> dict[str, int]:
-    """Block size, chunks per row and iterations per chunk: about 2048 programs in all on the GPU
-    (H200: 4 chunks a row at batch 64 left the histogram pass at 100 us, latency-bound)."""
-    block = min(1024 if cuda else 256, triton_next_pow2(max(n, 16)))
-    blocks = triton.cdiv(n, block)
-    target = max(1, (2048 if cuda else 4) // max(rows, 1))
-    iters = triton.cdiv(blocks, min(blocks, target))
-    return {"BLOCK": block, "iters": iters, "chunks": triton.cdiv(blocks, iters)}
+def launch_config(rows: int, n: int, k: int, cuda: bool, programs: int = 2048, tile: int = 4096) -> dict[str, int]:
+    """Group size (about 8k groups, so the threshold admits only a few more than k candidates), tiles of
+    ``tile`` candidates over about ``programs`` programs for the two passes, candidate room, rank blocks."""
+    group = max(1, min(256, 1 << max(0, (n // (8 * k)).bit_length() - 1)))
+    n_groups = triton.cdiv(n, group)
+    tile = min(tile if cuda else 256, triton_next_pow2(max(n, 16)))
+    blocks = triton.cdiv(n, tile)
+    iters = triton.cdiv(blocks, min(blocks, max(1, (programs if cuda else 4) // max(rows, 1))))
+    return {"BLOCK": tile, "iters": iters, "chunks": triton.cdiv(blocks, iters), "GROUP": group,
+            "TILE_G": max(1, tile // group), "n_groups": n_groups, "GROUPS": triton_next_pow2(n_groups),
+            "CAP": max(4096, 4 * triton_next_pow2(k)), "RANK": 16 if cuda else 256, "SPAN": 1024,
+            "SELECTORS": max(1, triton.cdiv(k, 16 if cuda else 256))}
 
 
-def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton body of ``v4compile::radix_topk``: select in the kernels, then order the k winners."""
-    name = kernel_name(k)
+_RUNTIME = ("iters", "chunks", "n_groups", "SELECTORS")
+
+
+def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
+               config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton body of ``v4compile::radix_topk``: the k largest of the last dim, ordered like a stable
+    descending sort. ``config`` overrides the launch configuration (benchmark sweeps)."""
     n = x.shape[-1]
+    if not 0 < k <= n:
+        raise ValueError(f"radix_topk needs 1 <= k <= {n} (the last dim), got k={k}")
+    name = kernel_name(k)
     cuda = x.device.type == "cuda"
-    config = launch_config(x.numel() // max(n, 1), n, cuda)
-    block = config["BLOCK"]
-    module = REGISTRY.build(name, "triton", "v4compile::radix_topk", lambda: _SOURCE.format(k=k, block=block),
-                            lambda path: load_triton_module(path, not cuda), key=(block, cuda))
     rows = x.reshape(-1, n).float().contiguous()
-    r, iters, chunks = rows.shape[0], config["iters"], config["chunks"]
-    ids = torch.empty(r, k, dtype=torch.int32, device=x.device)
+    r = rows.shape[0]
+    config = config or launch_config(r, n, k, cuda)
+    values = torch.empty(r, k, dtype=rows.dtype, device=x.device)
+    ids = torch.empty(r, k, dtype=torch.long, device=x.device)
     if r:
-        state = torch.zeros(r, 3, dtype=torch.int32, device=x.device)
-        state[:, 2] = k
-        hist = torch.zeros(r, 256, dtype=torch.int32, device=x.device)
-        counts = torch.empty(r, chunks, 2, dtype=torch.int32, device=x.device)
+        constants = {key.lower(): v for key, v in config.items() if key not in _RUNTIME}
+        module = REGISTRY.build(
+            name, "triton", "v4compile::radix_topk",
+            lambda: _SOURCE.format(k=k, mask_invalid=mask_invalid, **constants),
+            lambda path: load_triton_module(path, not cuda), key=(tuple(sorted(constants.items())), mask_invalid, cuda))
+        gmax = torch.empty(r, config["GROUPS"], dtype=torch.int32, device=x.device)
+        thresh = torch.empty(r, dtype=torch.int32, device=x.device)
+        count = torch.empty(r, dtype=torch.int32, device=x.device)
+        cand = torch.empty(r, config["CAP"], dtype=torch.int64, device=x.device)
+        s_x, n_groups, tile_g = rows.stride(0), config["n_groups"], config["TILE_G"]
 
         def run() -> None:
-            for shift in (24, 16, 8, 0):
-                module.radix_hist[(r, chunks)](rows, hist, state, n, rows.stride(0), iters, SHIFT=shift)
-                module.radix_select[(r,)](hist, state, SHIFT=shift)
-            module.radix_count[(r, chunks)](rows, state, counts, n, rows.stride(0), iters, chunks)
-            module.radix_emit[(r, chunks)](rows, state, counts, ids, n, rows.stride(0), ids.stride(0), iters, chunks,
-                                           CHUNKS_P2=triton_next_pow2(chunks))
+            module.topk_group_max[(r, triton.cdiv(n_groups, tile_g))](rows, gmax, n, s_x, n_groups)
+            module.topk_threshold[(r,)](gmax, thresh, count, n_groups, num_warps=8 if cuda else 4)
+            module.topk_collect[(r, config["chunks"])](rows, thresh, count, cand, n, s_x, config["iters"])
+            module.topk_select[(r, config["SELECTORS"])](
+                rows, thresh, count, cand, values, ids, n, s_x, values.stride(0), ids.stride(0))
 
         REGISTRY.launch(name, run)
-        REGISTRY.note_launch(name, grid=(r, chunks), launches_per_call=10, candidates=n, **config)
+        REGISTRY.note_launch(name, grid=(r, config["chunks"]), launches_per_call=4, candidates=n, **config)
         if cuda and REGISTRY.records[name].lowered is None:
-            REGISTRY.set_lowered(name, lowered_text(module.radix_hist) or "")
-    ids = ids.long()
-    values = torch.gather(x.reshape(-1, n), 1, ids)
-    order = values.sort(dim=-1, descending=True, stable=True).indices
-    values, ids = torch.gather(values, 1, order), torch.gather(ids, 1, order)
-    if mask_invalid:
-        ids = torch.where(values == float("-inf"), -1, ids)
+            REGISTRY.set_lowered(name, lowered_text(module.topk_collect) or "")
+    if x.dtype != torch.float32:  # the kernel wrote fp32 copies; take the values in x's own precision
+        gathered = torch.gather(x.reshape(-1, n), 1, ids.clamp(min=0))
+        values = torch.where(ids < 0, float("-inf"), gathered)
     return values.view(*x.shape[:-1], k), ids.view(*x.shape[:-1], k)

@@ -1,0 +1,91 @@
+"""The lightning indexer's scoring in Triton: ``sum_h w[h] * relu(q[h] . k[j])`` for a tile of keys per
+program, all heads of one query at once (one tensor-core dot), rounding each step to the input dtype as
+the model (and the official indexer) does, so the top-k that follows sees the same ties."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..registry import REGISTRY
+from .compressor import triton_next_pow2
+from .launch import ROUND_BF16, load_triton_module, lowered_text
+
+_SOURCE = '''
+import triton
+import triton.language as tl
+
+DIM = tl.constexpr({dim})
+ROUND = tl.constexpr({round})
+DOT = tl.{dot}
+''' + ROUND_BF16 + '''
+
+
+@triton.jit
+def _round(x):
+    if ROUND:
+        x = _round_bf16(x)
+    return x
+
+
+@triton.jit
+def indexer_scores(Q, KEYS, W, OUT, seqlen, heads, n_keys, s_qb, s_qs, s_qh, s_kb, s_kn, s_wb, s_ws, s_ob, s_os,
+                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    b = row // seqlen
+    s = row % seqlen
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < heads
+    d = tl.arange(0, DIM)
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    q = tl.load(Q + b * s_qb + s * s_qs + h[:, None] * s_qh + d[None, :], mask=hmask[:, None], other=0.0)
+    keys = tl.load(KEYS + b * s_kb + j[:, None] * s_kn + d[None, :], mask=(j < n_keys)[:, None], other=0.0)
+    dots = tl.maximum(_round(tl.dot(q.to(DOT), tl.trans(keys.to(DOT)), input_precision="ieee")), 0.0)
+    w = tl.load(W + b * s_wb + s * s_ws + h, mask=hmask, other=0.0).to(tl.float32)
+    total = _round(tl.sum(_round(dots * w[:, None]), axis=0))
+    tl.store(OUT + b * s_ob + s * s_os + j, total, mask=j < n_keys)
+'''
+
+
+def kernel_name(dim: int, dtype: torch.dtype) -> str:
+    """Stable kernel name, e.g. ``indexer_scores.d128.bf16.triton``."""
+    return f"indexer_scores.d{dim}.{'bf16' if dtype == torch.bfloat16 else 'fp32'}.triton"
+
+
+def launch_config(heads: int, cuda: bool) -> dict[str, int]:
+    """All heads in one dot (at least 16 rows for the tensor cores) against a tile of keys."""
+    return {"BLOCK_H": max(16, triton_next_pow2(heads)), "BLOCK_N": 128 if cuda else 32, "num_warps": 4}
+
+
+def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
+                   config: dict[str, int] | None = None) -> torch.Tensor:
+    """Triton body of ``v4compile::indexer_scores``: q [B,S,H,d], keys [B,N,d], weights [B,S,H] -> [B,S,N] fp32.
+    ``config`` overrides the launch configuration (benchmark sweeps)."""
+    bsz, seqlen, heads, dim = q.shape
+    if dim & (dim - 1) or dim < 16:
+        raise ValueError(f"the indexer scoring kernel needs a power-of-two head dim >= 16, got {dim}")
+    if q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the indexer scoring kernel takes bf16 or fp32 queries, got {q.dtype}")
+    cuda = q.device.type == "cuda"
+    low = q.dtype == torch.bfloat16
+    # Triton's CPU interpreter cannot multiply bf16 tensors: there the operands are widened to fp32 (the
+    # products of bf16 values are exact in fp32, accumulation is fp32 either way).
+    dot = "bfloat16" if low and cuda else "float32"
+    name = kernel_name(dim, q.dtype)
+    module = REGISTRY.build(name, "triton", "v4compile::indexer_scores",
+                            lambda: _SOURCE.format(dim=dim, round=low, dot=dot),
+                            lambda path: load_triton_module(path, not cuda), key=(cuda, q.dtype))
+    q, keys, weights = q.contiguous(), keys.to(q.dtype).contiguous(), weights.contiguous()
+    n = keys.shape[1]
+    out = torch.empty(bsz, seqlen, n, dtype=torch.float32, device=q.device)
+    config = config or launch_config(heads, cuda)
+    grid = (bsz * seqlen, triton.cdiv(n, config["BLOCK_N"]))
+    if out.numel():
+        REGISTRY.launch(name, lambda: module.indexer_scores[grid](
+            q, keys, weights, out, seqlen, heads, n, q.stride(0), q.stride(1), q.stride(2), keys.stride(0),
+            keys.stride(1), weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),
+            BLOCK_H=config["BLOCK_H"], BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"]))
+        REGISTRY.note_launch(name, grid=grid, keys=n, **config)
+        if cuda and REGISTRY.records[name].lowered is None:
+            REGISTRY.set_lowered(name, lowered_text(module.indexer_scores) or "")
+    return out
