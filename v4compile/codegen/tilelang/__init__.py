@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .compressor import compressor_pool_state
+from .compressor import compressor_pool, compressor_pool_state
 
-IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"compressor_pool_state": compressor_pool_state}
+IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"compressor_pool": compressor_pool,
+                                                  "compressor_pool_state": compressor_pool_state}

@@ -1,0 +1,81 @@
+"""TileLang compressor pooling against its reference on CPU (the ``c`` target), through the custom ops.
+
+TileLang's C build takes seconds per kernel: the cases share a few (ratio, width) shapes, and the kernels are
+specialised on shape only through ratio and width (batch, tokens and entries are dynamic)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v4compile.codegen import ops, reference
+from v4compile.codegen.registry import REGISTRY
+
+pytest.importorskip("tilelang")
+
+C4, C128 = (4, 24), (128, 16)
+
+
+def _prefill(bsz: int, tokens: int, ratio: int, width: int, seed: int) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(seed)
+    c = 2 if ratio == 4 else 1
+    kv = torch.randn(bsz, tokens, c * width) * 3
+    score = torch.randn(bsz, tokens, c * width) * 3
+    return kv, score, torch.randn(ratio, c * width)
+
+
+@pytest.mark.parametrize(("ratio", "width"), [C4, C128])
+@pytest.mark.parametrize(("bsz", "tokens", "blocks"), [
+    (2, 4 * 128 + 5, None),  # every complete block; the 5 remainder tokens are left out
+    (3, 4 * 128, 2),         # fewer entries than the sequence holds
+    (1, 4 * 128 + 64, 1),    # C4: entry 0 alone, with no previous block
+])
+def test_compressor_pool_matches_reference(ratio: int, width: int, bsz: int, tokens: int, blocks: int | None) -> None:
+    kv, score, ape = _prefill(bsz, tokens, ratio, width, seed=tokens + bsz)
+    n = tokens // ratio if blocks is None else blocks
+    got = ops.compressor_pool(kv, score, ape, ratio, width, n, "tilelang")
+    assert got.shape == (bsz, n, width) and got.dtype == torch.float32
+    torch.testing.assert_close(got, reference.compressor_pool(kv, score, ape, ratio, width, n), rtol=1e-5, atol=1e-5)
+    record = REGISTRY.records[f"compressor_pool.c{ratio}.w{width}.tilelang"]
+    assert record.error is None and "T.prim_func" in record.source and record.lowered
+
+
+def test_compressor_pool_bf16_inputs_and_no_entries() -> None:
+    kv, score, ape = _prefill(2, 4 * 20 + 3, *C4, seed=7)
+    kv, score = kv.bfloat16(), score.bfloat16()
+    got = ops.compressor_pool(kv, score, ape, *C4, 20, "tilelang")
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, reference.compressor_pool(kv, score, ape, *C4, 20), rtol=1e-5, atol=1e-5)
+    assert ops.compressor_pool(kv[:, :3], score[:, :3], ape, *C4, 0, "tilelang").shape == (2, 0, C4[1])
+
+
+@pytest.mark.parametrize(("ratio", "width"), [C4, C128])
+def test_compressor_pool_state_matches_reference_with_masked_slots(ratio: int, width: int) -> None:
+    torch.manual_seed(ratio + width)
+    c = 2 if ratio == 4 else 1
+    kv = torch.randn(4, c * ratio, c * width)
+    score = torch.randn(4, c * ratio, c * width) * 2
+    score[0, : c * ratio // 2] = float("-inf")  # an open block: only its latest slots are filled
+    score[1, :, : width // 2] = float("-inf")
+    score[1, -1, : width // 2] = 0.5            # one live slot in some dims
+    score[2, : c * ratio - 1] = float("-inf")   # a single live slot
+    got = ops.compressor_pool_state(kv, score, ratio, width, "tilelang")
+    want = reference.compressor_pool_state(kv, score, ratio, width)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.compressor_pool_state(kv.bfloat16(), score.bfloat16(), ratio, width, "tilelang"),
+                               reference.compressor_pool_state(kv.bfloat16(), score.bfloat16(), ratio, width),
+                               rtol=1e-5, atol=1e-5)
+    record = REGISTRY.records[f"compressor_pool_state.c{ratio}.w{width}.tilelang"]
+    assert record.launch["grid"] == (1, 4) and record.launch["threads"] == 128
+
+
+def test_fp64_inputs_accumulate_in_fp64() -> None:
+    kv, score, ape = (t.double() for t in _prefill(2, 4 * 6 + 1, *C4, seed=3))
+    got = ops.compressor_pool(kv, score, ape, *C4, 6, "tilelang")
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, reference.compressor_pool(kv, score, ape, *C4, 6), rtol=1e-12, atol=1e-12)
+    state, state_score = kv[:, :8], score[:, :8].clone()
+    state_score[1, :4] = float("-inf")
+    got = ops.compressor_pool_state(state, state_score, *C4, "tilelang")
+    torch.testing.assert_close(got, reference.compressor_pool_state(state, state_score, *C4), rtol=1e-12, atol=1e-12)

@@ -1,0 +1,53 @@
+"""TileLang compressor pooling against its reference on the GPU (the ``cuda`` target), at the model's shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v4compile.codegen import ops, reference
+from v4compile.codegen.registry import REGISTRY
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("tilelang")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("ratio", "width", "bsz", "tokens", "blocks"), [
+    (4, 512, 3, 4096 + 3, None), (4, 512, 1, 65536, None), (4, 512, 2, 8192, 5),
+    (128, 512, 3, 128 * 40 + 5, None), (128, 512, 1, 65536, None), (128, 512, 2, 8192, 3), (4, 128, 2, 64, None),
+])
+def test_compressor_pool_cuda(dtype: torch.dtype, ratio: int, width: int, bsz: int, tokens: int,
+                              blocks: int | None) -> None:
+    c = 2 if ratio == 4 else 1
+    kv = torch.randn(bsz, tokens, c * width, device="cuda").to(dtype)
+    score = (torch.randn(bsz, tokens, c * width, device="cuda") * 4).to(dtype)
+    ape = torch.randn(ratio, c * width, device="cuda")
+    n = tokens // ratio if blocks is None else blocks
+    got = ops.compressor_pool(kv, score, ape, ratio, width, n, "tilelang")
+    assert got.dtype == torch.float32 and got.shape == (bsz, n, width)
+    torch.testing.assert_close(got, reference.compressor_pool(kv, score, ape, ratio, width, n), rtol=1e-5, atol=1e-5)
+    record = REGISTRY.records[f"compressor_pool.c{ratio}.w{width}.tilelang"]
+    assert record.error is None and record.launch["target"] == "cuda" and "__global__" in record.lowered
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("ratio", "width", "bsz"), [(4, 512, 5), (128, 512, 5), (4, 128, 3), (4, 512, 256)])
+def test_compressor_pool_state_cuda(dtype: torch.dtype, ratio: int, width: int, bsz: int) -> None:
+    c = 2 if ratio == 4 else 1
+    kv = torch.randn(bsz, c * ratio, c * width, device="cuda").to(dtype)
+    score = torch.randn(bsz, c * ratio, c * width, device="cuda").to(dtype)
+    score[0, : c * ratio // 2] = float("-inf")
+    score[1, : c * ratio - 1] = float("-inf")
+    got = ops.compressor_pool_state(kv, score, ratio, width, "tilelang")
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, reference.compressor_pool_state(kv, score, ratio, width), rtol=1e-5, atol=1e-5)
+    record = REGISTRY.records[f"compressor_pool_state.c{ratio}.w{width}.tilelang"]
+    assert record.launch["grid"] == (1, bsz)
+
+
+def test_tilelang_matches_triton_on_cuda() -> None:
+    kv, score = torch.randn(2, 4096, 1024, device="cuda"), torch.randn(2, 4096, 1024, device="cuda") * 4
+    ape = torch.randn(4, 1024, device="cuda")
+    torch.testing.assert_close(ops.compressor_pool(kv, score, ape, 4, 512, 1024, "tilelang"),
+                               ops.compressor_pool(kv, score, ape, 4, 512, 1024, "triton"), rtol=1e-5, atol=1e-5)
