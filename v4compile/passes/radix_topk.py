@@ -1,4 +1,5 @@
-"""``radix_topk``: top-k selection over many candidates becomes an exact radix select.
+"""``radix_topk``: top-k selection over many candidates becomes an exact select kernel (a threshold from group
+maxima, a gathering pass and a rank, with radix rounds for heavy ties; see codegen/triton/radix_topk.py).
 
 Matches the indexer's ``sort(descending, stable)[..., :k]`` (optionally with its ``-inf -> -1``
 masking of the ids) and any ``topk(k <= max_k)`` over at least ``min_candidates`` candidates. The
@@ -36,10 +37,10 @@ def _kernel_name(k: int, ctx: RewriteContext) -> str:
 
 
 class RadixTopK(GraphPass):
-    """Top-k over many candidates -> exact radix select."""
+    """Top-k over many candidates -> the exact select kernel."""
 
     name = "radix_topk"
-    summary = "replace large top-k selections with an exact radix select (ties to the lowest index)"
+    summary = "replace large top-k selections with the exact select kernel (ties to the lowest index)"
     matches = ("sort(x, descending, stable)[..., :k] (the indexer) and topk(x, k) with k <= max_k over "
                ">= min_candidates candidates")
     option_help = {"max_k": "largest k rewritten (default 2048)",
@@ -71,7 +72,7 @@ class RadixTopK(GraphPass):
         if not largest:
             raise NoMatch("topk of the smallest values")
         if k > max_k:
-            raise NoMatch(f"k = {k} exceeds the radix kernel's maximum {max_k}")
+            raise NoMatch(f"k = {k} exceeds the select kernel's maximum {max_k}")
         if dims[-1] < min_candidates:
             raise NoMatch(f"only {dims[-1]} candidates (< {min_candidates}): torch.topk is already cheap")
         return Rewrite(node, ops.radix_topk, (x, k, False, ctx.backend), _kernel_name(k, ctx),
@@ -101,7 +102,7 @@ class RadixTopK(GraphPass):
             raise NoMatch(f"sorted outputs are cut at different lengths {sorted(ks)}")
         k = ks.pop()
         if k > max_k:
-            raise NoMatch(f"k = {k} exceeds the radix kernel's maximum {max_k}")
+            raise NoMatch(f"k = {k} exceeds the select kernel's maximum {max_k}")
         if k >= dims[-1]:
             raise NoMatch(f"keeps all {dims[-1]} candidates: a full sort, not a selection")
         mask_invalid = self._masks_invalid(outputs)

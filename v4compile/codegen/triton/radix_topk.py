@@ -2,8 +2,8 @@
 
 1. ``topk_group_max``: many programs per row take the maximum key of every (strided) group of ``GROUP``
    candidates; keys order floats as unsigned integers.
-2. ``topk_threshold``: one program per row bisects for ``t``, the k-th largest group maximum: at least k
-   candidates are ``>= t``, so every one of the top k is, and for random scores only a few more than k.
+2. ``topk_threshold``: one program per row bisects for ``t``, the k-th largest group maximum to 16 bits:
+   at least k candidates are ``>= t``, so every one of the top k is, and for random scores few more.
 3. ``topk_collect``: many programs per row gather every candidate ``> t``, packed as ``key << 32 | ~index``.
 4. ``topk_select``: a few programs per row walk the gathered candidates; one's rank among them (packed
    keys are unique, so a count of larger ones) is its output position when below k: the stable
@@ -75,12 +75,13 @@ def _narrow(hist, prefix, known, left, shift: tl.constexpr):
 
 @triton.jit
 def topk_threshold(GMAX, THRESH, COUNT, n_groups):
-    # the k-th largest group maximum t, by bisection over the key's bits
+    # t: the k-th largest group maximum to 16 bits (bisection over the key's high half), so at least k
+    # candidates are >= t; any between t and the exact k-th maximum only widen the gathered set a little
     row = tl.program_id(0)
     g = tl.arange(0, GROUPS)
     keys = tl.load(GMAX + row * GROUPS + g, mask=g < n_groups, other=0).to(tl.uint32, bitcast=True)
     t = tl.full([], 0, tl.uint32)
-    for bit in tl.static_range(31, -1, -1):
+    for bit in tl.static_range(31, 15, -1):
         trial = t | (tl.full([], 1, tl.uint32) << bit)
         if tl.sum((keys >= trial).to(tl.int32), axis=0) >= K:
             t = trial
@@ -213,18 +214,20 @@ def kernel_name(k: int) -> str:
     return f"radix_topk.k{k}.triton"
 
 
-def launch_config(rows: int, n: int, k: int, cuda: bool, programs: int = 2048, tile: int = 4096) -> dict[str, int]:
-    """Group size (about 8k groups, so the threshold admits only a few more than k candidates), tiles of
-    ``tile`` candidates over about ``programs`` programs for the two passes, candidate room, rank blocks."""
+def launch_config(rows: int, n: int, k: int, cuda: bool, tile: int = 1024) -> dict[str, int]:
+    """Group size (about 8k strided groups, so the threshold admits only a few more than k candidates), one
+    tile of ``tile`` candidates per program in both passes (the collect pass waits on an atomic per tile,
+    so tiles run side by side rather than in a loop), candidate room, and the ranking split: small blocks
+    over many programs for few rows, larger blocks once rows fill the GPU (H200 sweeps)."""
     group = max(1, min(256, 1 << max(0, (n // (8 * k)).bit_length() - 1)))
     n_groups = triton.cdiv(n, group)
     tile = min(tile if cuda else 256, triton_next_pow2(max(n, 16)))
-    blocks = triton.cdiv(n, tile)
-    iters = triton.cdiv(blocks, min(blocks, max(1, (programs if cuda else 4) // max(rows, 1))))
-    return {"BLOCK": tile, "iters": iters, "chunks": triton.cdiv(blocks, iters), "GROUP": group,
+    rank = (16 if rows < 16 else 64) if cuda else 256
+    span = (1024 if rows < 16 else 256) if cuda else 1024
+    return {"BLOCK": tile, "iters": 1, "chunks": triton.cdiv(n, tile), "GROUP": group,
             "TILE_G": max(1, tile // group), "n_groups": n_groups, "GROUPS": triton_next_pow2(n_groups),
-            "CAP": max(4096, 4 * triton_next_pow2(k)), "RANK": 16 if cuda else 256, "SPAN": 1024,
-            "SELECTORS": max(1, triton.cdiv(k, 16 if cuda else 256))}
+            "CAP": max(4096, 4 * triton_next_pow2(k)), "RANK": rank, "SPAN": span,
+            "SELECTORS": max(1, triton.cdiv(k, rank))}
 
 
 _RUNTIME = ("iters", "chunks", "n_groups", "SELECTORS")
