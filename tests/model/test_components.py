@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import v4compile
 from v4compile import V4Config
 from v4compile.model.attention import window_index_decode, window_index_full
 from v4compile.model.cache import V4Cache
@@ -91,3 +92,51 @@ def test_compressor_incremental_state_equals_batch_compression_at_every_remainde
             got = state.entries[:, : total // ratio].float()
             assert torch.allclose(got, reference, atol=2e-2, rtol=2e-2), f"prefix {p}"
             assert (state.entries[:, total // ratio :] == 0).all()
+
+
+@pytest.mark.parametrize(("ratio", "rotate"), [(4, False), (4, True), (128, False)])
+def test_compressor_chunks_equal_batch_compression_at_every_split(ratio: int, rotate: bool) -> None:
+    """Feed the tokens in two chunks split anywhere: every entry equals batch compression."""
+    torch.manual_seed(1)
+    config = V4Config.preset("tiny", max_seq_len=512)
+    comp = _compressor(ratio, rotate)
+    freqs = rope_frequencies(config.rope_head_dim, config.compress_rope_theta, config.original_seq_len,
+                             config.rope_factor, config.beta_fast, config.beta_slow)
+    total = 2 * ratio + 3
+    x = torch.randn(2, total, config.dim).to(torch.bfloat16)
+    with torch.no_grad():
+        reference = comp.forward_full(x, freqs, None).float()
+        splits = range(1, total) if ratio == 4 else [1, ratio - 1, ratio, ratio + 1, 2 * ratio + 1]
+        for p in splits:
+            cache = V4Cache(config, 2, 512).layers[1 if ratio == 4 else 2]
+            state = cache.indexer if rotate else cache.compressor
+            comp.forward_chunk(x[:, :p], 0, freqs, state)
+            entries = comp.forward_chunk(x[:, p:], p, freqs, state)
+            assert entries.shape[1] == total // ratio
+            assert torch.allclose(entries.float(), reference, atol=2e-2, rtol=2e-2), f"split {p}"
+            comp.forward_decode(x[:, -1:], torch.tensor([total, total]), freqs, state)  # the state decodes on
+
+
+def test_chunked_prefill_matches_full_prefill_and_decodes_on(tiny_model: v4compile.DeepSeekV4) -> None:
+    """model.extend over chunks (any split, including chunks inside a compressor block or the window)
+    agrees with one full forward within bf16 noise, and decoding continues from its cache alike."""
+    torch.manual_seed(2)
+    model, vocab = tiny_model, tiny_model.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 150))
+    nxt = torch.randint(0, vocab, (2, 1))
+    with torch.no_grad():
+        full = model(ids)
+        reference_cache = model.new_cache(2, 256)
+        model(ids, cache=reference_cache)
+        want = model.decode_step(nxt, torch.tensor([150, 150]), reference_cache)
+        for chunks in ([150], [16, 16, 118], [7, 121, 22], [1, 3, 128, 18]):
+            cache, outs, start = model.new_cache(2, 256), [], 0
+            for size in chunks:
+                outs.append(model.extend(ids[:, start : start + size], start, cache))
+                start += size
+            cos = torch.nn.functional.cosine_similarity(torch.cat(outs, 1), full, dim=-1)
+            assert cos.mean() > 0.99, chunks
+            got = model.decode_step(nxt, torch.tensor([150, 150]), cache)
+            assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.99, chunks
+    with pytest.raises(v4compile.InputError, match="does not fit"):
+        model.extend(ids[:, :10], 250, model.new_cache(2, 256))

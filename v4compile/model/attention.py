@@ -113,6 +113,35 @@ class Attention(nn.Module):
         slots = torch.arange(seqlen - keep, seqlen, device=kv.device) % self.window
         cache.window[:bsz, slots] = kv[:, seqlen - keep :]
 
+    # ------------------------------------------------------------------ chunk (prefill continuing a cache)
+    def forward_chunk(self, x: torch.Tensor, start: int, cache: LayerCache) -> torch.Tensor:
+        """Attention for a chunk of tokens at positions ``start..start+S-1`` (every row) after ``start``
+        tokens already in ``cache``: the window reaches back into the ring, the compressed entries cover
+        cached and new blocks; updates ``cache``. ``start == 0`` is a prefill."""
+        bsz, seqlen, _ = x.shape
+        positions = torch.arange(start, start + seqlen, device=x.device)
+        cos, sin = rope_cos_sin(self.freqs, positions)
+        q, qr = self._queries(x, cos, sin)
+        kv = self._window_kv(x, cos, sin)
+        back = min(start, self.window - 1)
+        earlier = torch.arange(start - back, start, device=x.device) % self.window
+        keys = torch.cat((cache.window[:bsz, earlier], kv), dim=1)
+        index = window_index_full(back + seqlen, self.window, x.device)[back:].expand(bsz, -1, -1)
+        if self.ratio:
+            entries = self.compressor.forward_chunk(x, start, self.freqs, cache.compressor)
+            if self.indexer is not None:
+                chosen = self.indexer.forward_chunk(x, qr, start, cos, sin, self.freqs, cache.indexer)
+            else:
+                count = ((positions + 1) // self.ratio).unsqueeze(-1)
+                ids = torch.arange(entries.shape[1], device=x.device).expand(seqlen, -1)
+                chosen = torch.where(ids < count, ids, -1).expand(bsz, -1, -1)
+            index = torch.cat((index, torch.where(chosen >= 0, chosen + keys.shape[1], -1)), dim=-1)
+            keys = torch.cat((keys, entries), dim=1)
+        keep = min(seqlen, self.window)
+        cache.window[:bsz, positions[seqlen - keep :] % self.window] = kv[:, seqlen - keep :]
+        o = sparse_attention(q, keys, self.attn_sink, index, self.softmax_scale)
+        return self._output(o, cos, sin)
+
     # ------------------------------------------------------------------ decode
     def forward_decode(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         """Attention for one token per row (x [B, 1, D]) at ``positions`` [B], reading and updating ``cache``."""

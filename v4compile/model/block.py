@@ -32,17 +32,20 @@ class Block(nn.Module):
 
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor, cache: LayerCache | None = None,
-        positions: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None, start: int | None = None,
     ) -> torch.Tensor:
         """Streams x [B, S, n, D] -> new streams. ``positions`` [B] selects one-token decode against ``cache``;
-        without it the call is a full sequence from position 0 (a prefill when ``cache`` is given)."""
+        ``start`` a chunk continuing ``cache`` at that position; with neither the call is a full sequence
+        from position 0 (a prefill when ``cache`` is given)."""
         y, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.hc_iters,
                                self.hc_eps, self.norm_eps)
         y = self.attn_norm(y)
-        if positions is None:
-            y = self.attn.forward_full(y, cache)
-        else:
+        if positions is not None:
             y = self.attn.forward_decode(y, positions, cache)
+        elif start is not None:
+            y = self.attn.forward_chunk(y, start, cache)
+        else:
+            y = self.attn.forward_full(y, cache)
         x = hc_post(y, x, post, comb)
         y, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters,
                                self.hc_eps, self.norm_eps)

@@ -81,6 +81,30 @@ class V4Cache:
         for layer in self.layers:
             layer.reset_rows(index.to(layer.window.device))
 
+    def rows(self, start: int, stop: int) -> V4Cache:
+        """A cache over batch rows ``start..stop-1`` that shares storage with this one (writes go through)."""
+        view = object.__new__(V4Cache)
+        view.batch_size, view.max_seq_len = stop - start, self.max_seq_len
+
+        def part(c: CompressorCache | None) -> CompressorCache | None:
+            if c is None:
+                return None
+            return CompressorCache(c.entries[start:stop], c.kv_state[start:stop], c.score_state[start:stop])
+
+        view.layers = [LayerCache(layer.window[start:stop], part(layer.compressor), part(layer.indexer))
+                       for layer in self.layers]
+        return view
+
+    def copy_row(self, dst_row: int, src: V4Cache, src_row: int) -> None:
+        """Copies one sequence's whole state from ``src`` row ``src_row`` into row ``dst_row``."""
+        for mine, theirs in zip(self.layers, src.layers, strict=True):
+            mine.window[dst_row] = theirs.window[src_row]
+            for a, b in ((mine.compressor, theirs.compressor), (mine.indexer, theirs.indexer)):
+                if a is not None and b is not None:
+                    a.entries[dst_row] = b.entries[src_row]
+                    a.kv_state[dst_row] = b.kv_state[src_row]
+                    a.score_state[dst_row] = b.score_state[src_row]
+
     def nbytes(self) -> int:
         """Bytes held by every cache tensor."""
         total = 0

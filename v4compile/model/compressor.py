@@ -93,6 +93,42 @@ class Compressor(nn.Module):
             cache.kv_state[:bsz, offset : offset + rem] = kv[:, cutoff:]
             cache.score_state[:bsz, offset : offset + rem] = score[:, cutoff:] + self.ape[:rem]
 
+    def forward_chunk(self, x: torch.Tensor, start: int, freqs: torch.Tensor, cache: CompressorCache) -> torch.Tensor:
+        """Adds a chunk of tokens at positions ``start..start+S-1`` (every row) to ``cache``: the open block
+        in the state and the chunk's tokens complete blocks, whose entries are stored. Returns every entry
+        visible by the chunk's end, ``[B, (start+S)//ratio, width]`` (earlier ones from the cache)."""
+        bsz, seqlen, _ = x.shape
+        ratio, w = self.ratio, self.width
+        head = start % ratio
+        offset = ratio if self.overlap else 0
+        positions = torch.arange(start, start + seqlen, device=x.device)
+        kv = torch.cat((cache.kv_state[:bsz, offset : offset + head], self.wkv(x)), dim=1)
+        score = torch.cat((cache.score_state[:bsz, offset : offset + head],
+                           self.wgate(x) + self.ape[positions % ratio]), dim=1)
+        n_new = (head + seqlen) // ratio
+        cutoff = n_new * ratio
+        first = (start - head) // ratio
+        if n_new:
+            kv_blocks = kv[:, :cutoff].unflatten(1, (n_new, ratio))
+            score_blocks = score[:, :cutoff].unflatten(1, (n_new, ratio))
+            if self.overlap:
+                prev_kv = torch.cat((cache.kv_state[:bsz, None, :ratio], kv_blocks[:, :-1]), dim=1)
+                prev_score = torch.cat((cache.score_state[:bsz, None, :ratio], score_blocks[:, :-1]), dim=1)
+                kv_blocks = torch.cat((prev_kv[..., :w], kv_blocks[..., w:]), dim=2)
+                score_blocks = torch.cat((prev_score[..., :w], score_blocks[..., w:]), dim=2)
+            pooled = (kv_blocks * score_blocks.softmax(dim=2)).sum(dim=2)
+            entry_pos = (first + torch.arange(n_new, device=x.device)) * ratio
+            cache.entries[:bsz, first : first + n_new] = self.finish(pooled, entry_pos, freqs)
+            if self.overlap:
+                cache.kv_state[:bsz, :ratio] = kv[:, cutoff - ratio : cutoff]
+                cache.score_state[:bsz, :ratio] = score[:, cutoff - ratio : cutoff]
+        rem = head + seqlen - cutoff
+        cache.kv_state[:bsz, offset:] = 0
+        cache.score_state[:bsz, offset:] = float("-inf")
+        cache.kv_state[:bsz, offset : offset + rem] = kv[:, cutoff:]
+        cache.score_state[:bsz, offset : offset + rem] = score[:, cutoff:]
+        return cache.entries[:bsz, : (start + seqlen) // ratio]
+
     def forward_decode(
         self, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, cache: CompressorCache
     ) -> None:

@@ -69,6 +69,18 @@ class Indexer(nn.Module):
         visible = torch.arange(keys.shape[1], device=x.device) < count
         return self.select(scores, visible.unsqueeze(0))
 
+    def forward_chunk(
+        self, x: torch.Tensor, qr: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
+        freqs: torch.Tensor, cache: CompressorCache,
+    ) -> torch.Tensor:
+        """Selected entry ids [B, S, k] for a chunk of tokens at positions ``start..start+S-1``."""
+        seqlen = x.shape[1]
+        keys = self.compressor.forward_chunk(x, start, freqs, cache)
+        scores = self.scores(x, self.queries(qr, cos, sin), keys)
+        count = (torch.arange(start + 1, start + seqlen + 1, device=x.device) // self.ratio).unsqueeze(-1)
+        visible = torch.arange(keys.shape[1], device=x.device) < count
+        return self.select(scores, visible.unsqueeze(0))
+
     def forward_decode(
         self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         freqs: torch.Tensor, cache: CompressorCache,

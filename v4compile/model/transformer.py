@@ -2,6 +2,7 @@
 
 - ``model(ids)``: full-sequence logits (training, scoring);
 - ``model(ids, cache=cache)``: the same, and fills ``cache`` (prefill);
+- ``model.extend(ids, start, cache)``: a chunk at positions ``start..`` continuing the cache (chunked prefill);
 - ``model.decode_step(ids, positions, cache)``: one token per row against the cache.
 """
 
@@ -110,6 +111,23 @@ class DeepSeekV4(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: V4Cache | None = None) -> torch.Tensor:
         """fp32 logits [B, S, vocab] at every position; fills ``cache`` when given (prefill from position 0)."""
         return self.logits(self.hidden_states(input_ids, cache))
+
+    def extend_hidden(self, input_ids: torch.Tensor, start: int, cache: V4Cache) -> torch.Tensor:
+        """Final streams [B, S, hc_mult, dim] of a chunk at positions ``start..start+S-1`` continuing ``cache``
+        (which holds the first ``start`` tokens of every row); updates ``cache``."""
+        self._check_ids(input_ids)
+        self._check_cache(cache, input_ids.shape[0])
+        if start < 0 or start + input_ids.shape[1] > cache.max_seq_len:
+            raise InputError(f"chunk at positions {start}..{start + input_ids.shape[1] - 1} does not fit the "
+                             f"cache's maximum length {cache.max_seq_len} (max_seq_len)")
+        x = self.embed(input_ids).unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, input_ids, cache.layers[i], start=start)
+        return x
+
+    def extend(self, input_ids: torch.Tensor, start: int, cache: V4Cache) -> torch.Tensor:
+        """Logits [B, S, vocab] of a chunk continuing ``cache`` at position ``start`` (chunked prefill)."""
+        return self.logits(self.extend_hidden(input_ids, start, cache))
 
     def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: V4Cache) -> torch.Tensor:
         """Logits [B, 1, vocab] for one new token per row at ``positions`` [B], reading and updating ``cache``."""

@@ -1,0 +1,116 @@
+"""The engine against plain generation: prefix caching (hits, evictions, tombstones) never changes a
+greedy token, restored caches equal recomputation bit for bit, and bad requests fail alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v4compile import DeepSeekV4, V4Config
+from v4compile.model.cache import V4Cache
+from v4compile.runtime.engine import Engine
+from v4compile.runtime.prefix_store import PrefixStore
+
+
+@pytest.fixture(scope="module")
+def model() -> DeepSeekV4:
+    return DeepSeekV4(V4Config.preset("tiny", max_seq_len=1024), seed=3).eval()
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _conversation(engine: Engine, turns: int, new_tokens: int = 4) -> list[list[int]]:
+    """A shared system prompt, three users each growing a conversation turn by turn (prompt = history +
+    output + new text), and a branch that edits the second user's history."""
+    system = _ids(260, 0)
+    histories = [system + _ids(20 + 30 * u, 10 + u) for u in range(3)]
+    outputs = []
+    for turn in range(turns):
+        results = engine.generate(histories, new_tokens)
+        outputs.extend(r.tokens for r in results)
+        pairs = enumerate(zip(histories, results, strict=True))
+        histories = [h + r.tokens + _ids(60, 100 * turn + u) for u, (h, r) in pairs]
+    branch = histories[1][:300] + _ids(50, 999)
+    outputs.extend(r.tokens for r in engine.generate([branch, histories[0]], new_tokens))
+    return outputs
+
+
+def test_greedy_with_prefix_cache_and_evictions_equals_without(model: DeepSeekV4) -> None:
+    plain = _conversation(Engine(model, prefix_cache=False, max_batch=3, decode_buckets=(3,)), turns=2)
+    roomy = Engine(model, max_batch=3, decode_buckets=(3,))
+    assert _conversation(roomy, turns=2) == plain
+    assert roomy.stats()["tree"]["cached_tokens"] >= 384
+    row = V4Cache(model.config, 1, 1024, "meta").nbytes()
+    tight = Engine(model, max_batch=3, decode_buckets=(3,), memory_budget=4 * row + 400_000)
+    assert tight.store is not None and tight.store.pools["state"].capacity <= 3  # a few tails: evictions
+    assert _conversation(tight, turns=2) == plain
+    tight.store.tree.check()
+    stats = tight.stats()["tree"]
+    assert stats["tombstones"] > 0
+
+
+def test_multi_turn_hits_and_recompute_after_window_eviction(model: DeepSeekV4) -> None:
+    engine = Engine(model, max_batch=2, decode_buckets=(2,))
+    first = _ids(300, 7)
+    out1 = engine.generate([first], 4)[0]
+    second = first + out1.tokens + _ids(140, 8)
+    out2 = engine.generate([second], 4)[0]
+    assert out2.cache.cached_tokens == 256 and out2.cache.prefill_tokens == len(second) - 256
+    assert engine.store is not None
+    engine.store.tree.evict("window", 10**6)  # every tail becomes a tombstone
+    out3 = engine.generate([second + _ids(10, 9)], 4)[0]
+    assert out3.cache.cached_tokens == 0 and out3.cache.recomputed_tokens == 384
+    out4 = engine.generate([second + _ids(10, 9)], 4)[0]  # the insert revived the tombstone
+    assert out4.cache.cached_tokens == 384 and out4.tokens == out3.tokens
+
+
+def test_restored_cache_equals_recomputation_bit_for_bit(model: DeepSeekV4) -> None:
+    config = model.config
+    store = PrefixStore(config, 128, 20_000_000, torch.device("cpu"))
+    tokens = _ids(384, 5)
+
+    def computed(length: int) -> V4Cache:
+        cache = model.new_cache(1, 1024)
+        with torch.no_grad():
+            for start in range(0, length, 128):
+                model.extend(torch.tensor([tokens[start : start + 128]]), start, cache)
+        return cache
+
+    store.save(tokens[:256], computed(256))
+    store.save(tokens, computed(384))
+    for length in (256, 384):
+        restored = model.new_cache(1, 1024)
+        hit = store.restore(tokens[:length] + [1], restored)
+        assert hit.resume_len == length
+        want = computed(length)
+        for got_layer, want_layer in zip(restored.layers, want.layers, strict=True):
+            assert torch.equal(got_layer.window, want_layer.window)
+            for a, b in ((got_layer.compressor, want_layer.compressor), (got_layer.indexer, want_layer.indexer)):
+                if a is not None:
+                    assert torch.equal(a.entries, b.entries)
+                    assert torch.equal(a.kv_state, b.kv_state) and torch.equal(a.score_state, b.score_state)
+
+
+def test_sampling_with_a_seed_does_not_depend_on_the_batch(model: DeepSeekV4) -> None:
+    engine = Engine(model, max_batch=3, decode_buckets=(3,))
+    prompts = [_ids(40, 1), _ids(90, 2), _ids(20, 3)]
+    together = engine.generate(prompts, 6, temperature=0.8, top_p=0.9, seed=11)
+    alone = engine.generate(prompts[:2], 6, temperature=0.8, top_p=0.9, seed=11)
+    assert [r.tokens for r in together[:2]] == [r.tokens for r in alone]
+    assert together[0].tokens != engine.generate(prompts[:1], 6, temperature=0.8, seed=12)[0].tokens
+    assert all(len(r.logprobs) == 6 and all(lp <= 0 for lp in r.logprobs) for r in together)
+
+
+def test_bad_requests_fail_alone_with_a_clear_error(model: DeepSeekV4) -> None:
+    engine = Engine(model, max_batch=2)
+    good = _ids(30, 4)
+    results = engine.generate([[], good, [1, 2, 512], _ids(1020, 5), good], [4, 4, 4, 8, 0])
+    assert results[0].error == "empty prompt"
+    assert "token id 512 at prompt position 2" in (results[2].error or "")
+    assert "exceeds max_seq_len 1024" in (results[3].error or "")
+    assert "max_new_tokens must be at least 1" in (results[4].error or "")
+    assert results[1].error is None and len(results[1].tokens) == 4
+    with pytest.raises(ValueError, match="memory_budget"):
+        Engine(model, memory_budget=1000)

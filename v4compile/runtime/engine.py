@@ -1,0 +1,212 @@
+"""The serving engine: continuous batching over a fixed set of decode rows, chunked prefill in staging
+rows, and prefix caching through ShadowRadix.
+
+Why the shapes are what they are: every prompt is prefilled in pieces whose boundaries are fixed
+multiples of ``piece`` tokens counted from position 0, and every decode step runs a static bucket of rows.
+So the computation that produces a token's KV does not depend on what else is running, and a prefix
+restored from the cache holds bit for bit what computing it again would give: greedy output with the
+prefix cache equals greedy output without it (with one decode bucket; with several, a row's numerics
+may follow the bucket size).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ..model.cache import V4Cache
+from .prefix_store import PrefixStore
+from .requests import RequestError, RequestOutput
+from .sampling import sample
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    max_new: int
+    generator: torch.Generator | None
+    out: RequestOutput
+    staging: V4Cache | None = None
+    done: int = 0
+    row: int = -1
+    token: int = 0
+
+
+class Engine:
+    """Serves generation requests on ``model`` (a ``DeepSeekV4`` or an ``OptimizedModel`` of one).
+
+    ``memory_budget`` (bytes) pays first for the working caches (``max_batch`` decode rows and one
+    staging row per concurrent prefill, each sized for ``max_seq_len``), and the rest holds the prefix
+    cache's pools. ``max_batch_tokens`` is the largest prefill piece per step (rounded down to a divisor
+    of the cache ``chunk``); ``decode_buckets`` are the static decode batch sizes (default: powers of two
+    up to ``max_batch``)."""
+
+    def __init__(self, model: torch.nn.Module, *, memory_budget: int | None = None, max_batch_tokens: int = 128,
+                 max_batch: int = 4, max_prefills: int = 1, chunk: int | None = None, prefix_cache: bool = True,
+                 decode_buckets: tuple[int, ...] | None = None, max_seq_len: int | None = None) -> None:
+        self.model = model
+        config = model.config
+        self.config = config
+        self.max_seq_len = max_seq_len or config.max_seq_len
+        self.device = model.embed.weight.device
+        self.chunk = chunk or default_chunk(config)
+        if max_batch_tokens < 1 or max_batch < 1 or max_prefills < 1:
+            raise ValueError("max_batch_tokens, max_batch and max_prefills must be positive")
+        self.piece = max(d for d in range(1, self.chunk + 1) if self.chunk % d == 0 and d <= max_batch_tokens)
+        row_bytes = V4Cache(config, 1, self.max_seq_len, "meta").nbytes()
+        budget = memory_budget if memory_budget is not None else (max_batch + max_prefills) * row_bytes * 4
+        rows = min(max_batch + max_prefills, budget // row_bytes)
+        if rows < 2:
+            raise ValueError(f"memory_budget {budget} B holds {rows} sequence cache(s) of {row_bytes} B "
+                             f"(max_seq_len {self.max_seq_len}); one decode row and one prefill row need "
+                             f"{2 * row_bytes} B")
+        self.max_prefills = min(max_prefills, rows - 1)
+        self.max_batch = rows - self.max_prefills
+        self.buckets = tuple(sorted(decode_buckets)) if decode_buckets else _powers_of_two(self.max_batch)
+        if self.buckets[-1] < self.max_batch:
+            self.buckets = (*self.buckets, self.max_batch)
+        self.decode_cache = model.new_cache(self.buckets[-1], self.max_seq_len)
+        self.staging = [model.new_cache(1, self.max_seq_len) for _ in range(self.max_prefills)]
+        pool_budget = budget - rows * row_bytes
+        self.store = PrefixStore(config, self.chunk, pool_budget, self.device) if prefix_cache else None
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int] = 16, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None) -> list[RequestOutput]:
+        """Generates for every prompt (token ids) and returns one ``RequestOutput`` per prompt, in order.
+        A bad request gets its ``error`` set and the others still run. With ``seed`` the sampled tokens of a
+        request depend only on the seed and its index, not on the rest of the batch."""
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
+        limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        if len(limits) != len(prompts):
+            raise ValueError(f"{len(limits)} max_new_tokens for {len(prompts)} prompts")
+        outputs = [RequestOutput(index=i) for i in range(len(prompts))]
+        waiting: deque[_Request] = deque()
+        for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
+            try:
+                tokens = self._validate(prompt, limit)
+            except RequestError as exc:
+                outputs[i].error, outputs[i].finish_reason = str(exc), "error"
+                continue
+            generator = None
+            if temperature > 0:
+                generator = torch.Generator().manual_seed((seed if seed is not None else 0) * 1_000_003 + i)
+            waiting.append(_Request(i, tokens, limit, generator, outputs[i]))
+        self._run(waiting, temperature, top_p)
+        return outputs
+
+    def stats(self) -> dict[str, object]:
+        """Prefix-cache pools and tree statistics (empty without a prefix cache)."""
+        return self.store.stats() if self.store is not None else {}
+
+    # ------------------------------------------------------------------ scheduling
+    def _validate(self, prompt: list[int], limit: int) -> list[int]:
+        tokens = [int(t) for t in prompt]
+        if not tokens:
+            raise RequestError("empty prompt")
+        bad = next((j for j, t in enumerate(tokens) if not 0 <= t < self.config.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {tokens[bad]} at prompt position {bad} is outside the vocabulary "
+                               f"[0, {self.config.vocab_size})")
+        if limit < 1:
+            raise RequestError(f"max_new_tokens must be at least 1, got {limit}")
+        if len(tokens) + limit > self.max_seq_len:
+            raise RequestError(f"prompt of {len(tokens)} tokens plus {limit} new tokens exceeds max_seq_len "
+                               f"{self.max_seq_len}")
+        return tokens
+
+    def _run(self, waiting: deque[_Request], temperature: float, top_p: float) -> None:
+        prefilling: list[_Request] = []
+        decoding: list[_Request] = []
+        with torch.no_grad():
+            while waiting or prefilling or decoding:
+                while waiting and len(prefilling) < self.max_prefills and \
+                        len(prefilling) + len(decoding) < self.max_batch:
+                    prefilling.append(self._admit(waiting.popleft(), prefilling))
+                for req in list(prefilling):
+                    if self._prefill_piece(req, temperature, top_p):
+                        prefilling.remove(req)
+                        if self._finished(req):
+                            continue
+                        req.row = len(decoding)
+                        self.decode_cache.copy_row(req.row, req.staging, 0)
+                        req.staging = None
+                        decoding.append(req)
+                if decoding:
+                    self._decode_step(decoding, temperature, top_p)
+
+    def _admit(self, req: _Request, prefilling: list[_Request]) -> _Request:
+        used = {id(r.staging) for r in prefilling}
+        req.staging = next(c for c in self.staging if id(c) not in used)
+        req.staging.reset()
+        req.out.cache.prompt_tokens = len(req.prompt)
+        if self.store is not None:
+            hit = self.store.restore(req.prompt, req.staging)
+            req.done = hit.resume_len
+            req.out.cache.cached_tokens = hit.resume_len
+            req.out.cache.recomputed_tokens = hit.recompute_tokens
+        return req
+
+    def _prefill_piece(self, req: _Request, temperature: float, top_p: float) -> bool:
+        """Computes the next piece of the prompt; True when the prompt is done (first token sampled)."""
+        start = req.done
+        stop = min(len(req.prompt), (start // self.piece + 1) * self.piece)
+        ids = torch.tensor([req.prompt[start:stop]], device=self.device)
+        logits = self.model.extend(ids, start, req.staging)
+        req.done = stop
+        req.out.cache.prefill_tokens += stop - start
+        boundary = len(req.prompt) // self.chunk * self.chunk
+        if self.store is not None and stop == boundary and boundary > 0:
+            self.store.save(req.prompt[:boundary], req.staging)
+        if stop < len(req.prompt):
+            return False
+        self._emit(req, logits[0, -1], temperature, top_p)
+        return True
+
+    def _decode_step(self, decoding: list[_Request], temperature: float, top_p: float) -> None:
+        bucket = next(b for b in self.buckets if b >= len(decoding))
+        ids = torch.zeros(bucket, 1, dtype=torch.long, device=self.device)
+        positions = torch.zeros(bucket, dtype=torch.long, device=self.device)
+        for req in decoding:
+            ids[req.row, 0] = req.token
+            positions[req.row] = len(req.prompt) + len(req.out.tokens) - 1
+        logits = self.model.decode_step(ids, positions, self.decode_cache.rows(0, bucket))
+        for req in decoding:
+            self._emit(req, logits[req.row, 0], temperature, top_p)
+        keep = [r for r in decoding if not self._finished(r)]
+        for row, req in enumerate(keep):  # rows stay dense: later rows move down over finished ones
+            if req.row != row:
+                self.decode_cache.copy_row(row, self.decode_cache, req.row)
+                req.row = row
+        decoding[:] = keep
+
+    def _emit(self, req: _Request, logits: torch.Tensor, temperature: float, top_p: float) -> None:
+        token, logprob = sample(logits, temperature, top_p, req.generator)
+        req.token = token
+        req.out.tokens.append(token)
+        req.out.logprobs.append(logprob)
+
+    def _finished(self, req: _Request) -> bool:
+        if len(req.out.tokens) >= req.max_new:
+            req.out.finish_reason = "length"
+            return True
+        return False
+
+
+def default_chunk(config: object) -> int:
+    """The prefix-cache granule: 128 tokens (a C128 block, 32 C4 blocks), or the window if larger, rounded
+    up to a multiple of 128."""
+    window = getattr(config, "window_size", 128)
+    return max(128, -(-window // 128) * 128)
+
+
+def _powers_of_two(limit: int) -> tuple[int, ...]:
+    sizes, b = [], 1
+    while b < limit:
+        sizes.append(b)
+        b *= 2
+    return (*sizes, limit)

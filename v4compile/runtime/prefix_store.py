@@ -1,0 +1,165 @@
+"""The prefix cache's storage: ShadowRadix over slot pools, and the tensors behind the pools.
+
+A request's working cache row is copied in from the pools on a hit (compressed entries up to the resume
+boundary, the window tail into the ring, the C4 compressor states) and copied out once its prompt's
+deepest chunk boundary is computed. Pools and their bytes:
+
+- ``window``: one token's window KV in every layer (bf16), kept only as tails of ``window`` tokens;
+- ``c4`` / ``c4_index``: one C4 entry / indexer key in every C4 layer; ``c128``: one C128 entry in every
+  C128 layer;
+- ``state``: one snapshot of every C4 compressor's state (fp32). Boundaries are multiples of 128, where
+  C128 compressors hold no open block, so they need none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.cache import V4Cache
+from ..model.config import V4Config
+from .pools import PoolExhausted, PoolSet, SlotPool
+from .shadow_radix import ShadowRadix
+
+TAIL_SHARE = 0.25
+"""Fraction of the pool budget spent on window tails (plus their state snapshots)."""
+
+
+@dataclass
+class Hit:
+    """What a prompt found in the cache: the boundary its cache row resumes at, and the cached tokens
+    past it that must be computed again because their window tail was evicted."""
+
+    resume_len: int
+    recompute_tokens: int
+
+
+class PrefixStore:
+    """ShadowRadix plus preallocated tensors for every pool, sized to ``budget`` bytes."""
+
+    def __init__(self, config: V4Config, chunk: int, budget: int, device: torch.device) -> None:
+        if chunk % 128:
+            raise ValueError(f"the prefix-cache chunk must be a multiple of 128 (a C128 block), got {chunk}")
+        ratios = config.layer_ratios
+        self.config, self.window = config, config.window_size
+        self.c4 = [i for i, r in enumerate(ratios) if r == 4]
+        self.c128 = [i for i, r in enumerate(ratios) if r == 128]
+        d, di, n = config.head_dim, config.index_head_dim, len(ratios)
+        sizes = {"window": n * d * 2, "c4": len(self.c4) * d * 2, "c4_index": len(self.c4) * di * 2,
+                 "c128": len(self.c128) * d * 2, "state": len(self.c4) * 4 * 8 * (2 * d + 2 * di)}
+        tail_bytes = self.window * sizes["window"] + sizes["state"]
+        tails = max(1, int(budget * TAIL_SHARE) // tail_bytes)
+        per_token = sizes["c4"] / 4 + sizes["c4_index"] / 4 + sizes["c128"] / 128
+        tokens = max(0, int((budget - tails * tail_bytes) / per_token)) // chunk * chunk if per_token else 0
+        capacity = {"window": tails * self.window, "state": tails, "c4": tokens // 4, "c4_index": tokens // 4,
+                    "c128": tokens // 128}
+        self.pools = PoolSet(SlotPool(name, capacity[name], sizes[name]) for name in sizes)
+        self.tree = ShadowRadix(self.pools, chunk, self.window, {"c4": 4, "c4_index": 4, "c128": 128})
+
+        def store(layers: int, cap: int, width: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+            return torch.zeros(layers, cap, width, dtype=dtype, device=device)
+
+        self.window_kv = store(n, capacity["window"], d)
+        self.c4_entries = store(len(self.c4), capacity["c4"], d)
+        self.c4_keys = store(len(self.c4), capacity["c4_index"], di)
+        self.c128_entries = store(len(self.c128), capacity["c128"], d)
+        shape = (len(self.c4), capacity["state"], 8)
+        self.states = {name: torch.zeros(*shape, 2 * w, dtype=torch.float32, device=device)
+                       for name, w in (("kv", d), ("score", d), ("index_kv", di), ("index_score", di))}
+
+    # ------------------------------------------------------------------ copy in
+    def restore(self, prompt: list[int], cache: V4Cache) -> Hit:
+        """Copies the deepest resumable cached prefix of ``prompt`` into row 0 of ``cache`` (freshly reset)."""
+        match = self.tree.match(prompt)
+        node, end = match.resume_node, match.resume_len
+        if end == 0:
+            return Hit(0, match.recompute_tokens)
+        layers = cache.layers
+        for j, i in enumerate(self.c4):
+            slots = torch.tensor(self.tree.prefix_slots(node, "c4"), device=self.c4_entries.device)
+            layers[i].compressor.entries[0, : end // 4] = self.c4_entries[j, slots]
+            keys = torch.tensor(self.tree.prefix_slots(node, "c4_index"), device=self.c4_keys.device)
+            layers[i].indexer.entries[0, : end // 4] = self.c4_keys[j, keys]
+        for j, i in enumerate(self.c128):
+            slots = torch.tensor(self.tree.prefix_slots(node, "c128"), device=self.c128_entries.device)
+            layers[i].compressor.entries[0, : end // 128] = self.c128_entries[j, slots]
+        tail = torch.tensor(node.window_tail, device=self.window_kv.device)
+        ring = torch.arange(end - self.window, end, device=self.window_kv.device) % self.window
+        for i, layer in enumerate(layers):
+            layer.window[0, ring] = self.window_kv[i, tail]
+        for j, i in enumerate(self.c4):
+            main, index = layers[i].compressor, layers[i].indexer
+            main.kv_state[0] = self.states["kv"][j, node.state]
+            main.score_state[0] = self.states["score"][j, node.state]
+            index.kv_state[0] = self.states["index_kv"][j, node.state]
+            index.score_state[0] = self.states["index_score"][j, node.state]
+        return Hit(end, match.recompute_tokens)
+
+    # ------------------------------------------------------------------ copy out
+    def save(self, tokens: list[int], cache: V4Cache) -> bool:
+        """Caches the aligned prefix ``tokens`` whose state row 0 of ``cache`` holds right now (its ring holds
+        the last ``window`` tokens, its compressors the state at the boundary). Evicts least recently used
+        entries when the pools are full; returns False (caching nothing) when even that leaves no room."""
+        end = len(tokens)
+        match = self.tree.match([*tokens, 0])
+        known = match.compressed_len
+        self.tree.lock(match.compressed_node, "full")
+        try:
+            fresh = self._alloc({"c4": (end - known) // 4 if self.c4 else 0,
+                                 "c4_index": (end - known) // 4 if self.c4 else 0,
+                                 "c128": (end - known) // 128 if self.c128 else 0})
+            if fresh is None:
+                return False
+            needs_tail = known < end or match.compressed_node.window_tail is None
+            tail = self._alloc({"window": self.window, "state": 1}) if needs_tail else None
+            self._copy_entries(cache, known, end, fresh)
+            slots = {name: self.tree.prefix_slots(match.compressed_node, name) + fresh[name] for name in fresh}
+            if tail is not None:
+                self._copy_tail(cache, end, tail["window"], tail["state"][0])
+                self.tree.insert(tokens, slots, tail["window"], tail["state"][0])
+            else:
+                self.tree.insert(tokens, slots)
+            return True
+        finally:
+            self.tree.unlock(match.compressed_node, "full")
+
+    def _alloc(self, wanted: dict[str, int]) -> dict[str, list[int]] | None:
+        taken: dict[str, list[int]] = {}
+        for name, n in wanted.items():
+            pool = self.pools[name]
+            if pool.free_count < n:
+                self.tree.evict(name, n - pool.free_count)
+            try:
+                taken[name] = pool.alloc(n)
+            except PoolExhausted:
+                for got, slots in taken.items():
+                    self.pools[got].free(slots)
+                return None
+        return taken
+
+    def _copy_entries(self, cache: V4Cache, known: int, end: int, fresh: dict[str, list[int]]) -> None:
+        layers = cache.layers
+        for j, i in enumerate(self.c4):
+            slots = torch.tensor(fresh["c4"], device=self.c4_entries.device, dtype=torch.long)
+            self.c4_entries[j, slots] = layers[i].compressor.entries[0, known // 4 : end // 4]
+            self.c4_keys[j, slots.new_tensor(fresh["c4_index"])] = layers[i].indexer.entries[0, known // 4 : end // 4]
+        for j, i in enumerate(self.c128):
+            slots = torch.tensor(fresh["c128"], device=self.c128_entries.device, dtype=torch.long)
+            self.c128_entries[j, slots] = layers[i].compressor.entries[0, known // 128 : end // 128]
+
+    def _copy_tail(self, cache: V4Cache, end: int, window: list[int], state: int) -> None:
+        layers = cache.layers
+        slots = torch.tensor(window, device=self.window_kv.device)
+        ring = torch.arange(end - self.window, end, device=self.window_kv.device) % self.window
+        for i, layer in enumerate(layers):
+            self.window_kv[i, slots] = layer.window[0, ring]
+        for j, i in enumerate(self.c4):
+            main, index = layers[i].compressor, layers[i].indexer
+            self.states["kv"][j, state], self.states["score"][j, state] = main.kv_state[0], main.score_state[0]
+            self.states["index_kv"][j, state] = index.kv_state[0]
+            self.states["index_score"][j, state] = index.score_state[0]
+
+    def stats(self) -> dict[str, object]:
+        """Tree statistics and, per pool, capacity, use and bytes."""
+        return {"tree": self.tree.stats(), "pools": self.pools.stats()}
