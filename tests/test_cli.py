@@ -59,3 +59,21 @@ def test_check_against_a_golden_folder(golden_root: Path, capsys: pytest.Capture
     assert main(["check", str(golden_root / "tiny-bf16"), "--backend", "reference"]) == 0
     out = capsys.readouterr().out
     assert "optimized vs golden" in out and "optimized vs eager" in out
+
+
+def test_generate_reads_prompts_reports_hits_and_per_request_errors(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(" ".join(str(i % 500) for i in range(200)) + "\n1, 2, 3\n4 5 9999\n")
+    assert main(["generate", "--file", str(prompts), "--max-new-tokens", "3", "--repeat", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [len(r["tokens"]) for r in out] == [3, 3, 0]
+    assert out[0]["cache"]["cached_tokens"] == 128 and "9999" in out[2]["error"]
+    assert main(["generate", "--ids", "1 x 3"]) == 2
+    assert "token ids must be integers" in capsys.readouterr().out
+
+
+def test_serve_bench_prints_hit_rates_and_bytes(capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve-bench", "--conversations", "2", "--turns", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ShadowRadix" in out and "baseline" in out and "bytes per cached token by pool" in out

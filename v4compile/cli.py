@@ -1,4 +1,4 @@
-"""The ``v4compile`` command: the demo and the pass-debugging tools."""
+"""The ``v4compile`` command: the demo, the pass-debugging tools, generation and the serving benchmark."""
 
 from __future__ import annotations
 
@@ -184,6 +184,74 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """Prompts from ``--ids`` (one prompt per argument, ids separated by spaces or commas) or ``--file``
+    (one prompt per line)."""
+    lines = list(args.ids or [])
+    if args.file:
+        lines += [line for line in Path(args.file).read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("give prompts with --ids or --file")
+    prompts = []
+    for n, line in enumerate(lines, start=1):
+        try:
+            prompts.append([int(t) for t in line.replace(",", " ").split()])
+        except ValueError as exc:
+            raise ValueError(f"prompt {n}: token ids must be integers ({exc})") from None
+    return prompts
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .runtime.engine import Engine
+
+    model = _model(args)
+    engine = Engine(model, max_batch=args.max_batch, prefix_cache=not args.no_prefix_cache)
+    prompts = _read_prompts(args)
+    results = []
+    for _ in range(args.repeat):
+        results = engine.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                  seed=args.seed, mtp=args.mtp)
+    if args.json:
+        print(json.dumps([{"tokens": r.tokens, "logprobs": r.logprobs, "finish_reason": r.finish_reason,
+                           "error": r.error, "cache": vars(r.cache), "mtp_drafted": r.mtp_drafted,
+                           "mtp_accepted": r.mtp_accepted} for r in results], indent=1))
+        return 0
+    table = Table(title="v4compile generate")
+    for col in ("#", "prompt", "output ids", "cached", "recomputed", "prefilled", "status"):
+        table.add_column(col, overflow="fold")
+    for r, prompt in zip(results, prompts, strict=True):
+        table.add_row(str(r.index), f"{len(prompt)} ids", " ".join(map(str, r.tokens)), str(r.cache.cached_tokens),
+                      str(r.cache.recomputed_tokens), str(r.cache.prefill_tokens), r.error or r.finish_reason)
+    console.print(table)
+    if engine.store is not None:
+        console.print(f"prefix cache: {engine.stats()['tree']}")
+    if args.mtp:
+        drafted = sum(r.mtp_drafted for r in results)
+        console.print(f"MTP drafts accepted: {sum(r.mtp_accepted for r in results)} of {drafted}")
+    return 0
+
+
+def _serve_bench(args: argparse.Namespace) -> int:
+    from .runtime.engine import Engine
+    from .runtime.workload import Workload, run_workload
+
+    engine = Engine(_model(args), max_batch=args.conversations + 2)
+    with _progress("serving the multi-turn workload"):
+        report = run_workload(engine, Workload(conversations=args.conversations, turns=args.turns))
+    table = Table(title=f"{report.requests} requests, {report.prompt_tokens} prompt tokens")
+    for col in ("cache", "hit rate", "prefill tokens saved", "recomputed (max per hit)", "bytes per cached token"):
+        table.add_column(col)
+    table.add_row("ShadowRadix", f"{report.hit_rate:.3f}", str(report.cached_tokens),
+                  f"{report.recomputed_tokens} ({report.max_recompute_per_hit})",
+                  f"{report.bytes_per_token['all']:.0f}")
+    table.add_row("baseline (full window KV)", f"{report.baseline_hit_rate:.3f}", str(report.baseline_cached_tokens),
+                  "0 (0)", f"{report.baseline_bytes_per_token:.0f}")
+    console.print(table)
+    console.print("bytes per cached token by pool: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in report.bytes_per_token.items()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="v4compile", description="Compiler and runtime for DeepSeek-V4-class models.")
@@ -219,6 +287,27 @@ def build_parser() -> argparse.ArgumentParser:
     bis.add_argument("--graph", dest="bisect_entry", choices=["forward", "decode"], default="forward",
                      help="which graph to bisect")
     bis.set_defaults(func=_bisect)
+
+    gen = sub.add_parser("generate", help="generate from token-id prompts with the engine (prefix cache on)")
+    _add_target(gen)
+    gen.add_argument("--ids", nargs="*", help="prompts: one argument each, ids separated by spaces or commas")
+    gen.add_argument("--file", help="a text file with one prompt of token ids per line")
+    gen.add_argument("--max-new-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-batch", type=int, default=4)
+    gen.add_argument("--repeat", type=int, default=1, help="serve the prompts this many times (shows cache hits)")
+    gen.add_argument("--no-prefix-cache", action="store_true")
+    gen.add_argument("--mtp", action="store_true", help="speculative decoding with the MTP block (greedy)")
+    gen.add_argument("--json", action="store_true", help="print outputs, log-probs and cache stats as JSON")
+    gen.set_defaults(func=_generate)
+
+    sb = sub.add_parser("serve-bench", help="the multi-turn agentic workload: prefix-cache hit rate and bytes")
+    _add_target(sb)
+    sb.add_argument("--conversations", type=int, default=4)
+    sb.add_argument("--turns", type=int, default=4)
+    sb.set_defaults(func=_serve_bench)
 
     chk = sub.add_parser("check", help="optimized vs eager vs a golden folder")
     chk.add_argument("golden", nargs="?", help="golden folder (config.json, model.safetensors, cases.safetensors)")

@@ -80,9 +80,46 @@ def run_demo(console: Console | None = None, prompt_len: int = 48, steps: int = 
     verdict = "[green]decode matches the full forward (golden band)[/green]" if ok else (
         "[red]decode diverges from the full forward[/red]")
     console.print(f"{verdict}: median cos {cos.median():.5f}, mean {cos.mean():.5f}, argmax agreement {agree:.2f}")
+    ok = run_multi_turn(console, model) and ok
     if optimized:
         ok = run_optimized(console, model, ids, prompt_len, step_logits, prefill_s, decode_s) and ok
     return ok
+
+
+def run_multi_turn(console: Console, model: DeepSeekV4, turns: int = 3, users: int = 2) -> bool:
+    """A short multi-turn chat through the engine: a shared system prompt, each turn's prompt the history so
+    far; prints the prefix-cache hits per turn and checks the greedy tokens against the engine without it."""
+    from .runtime.engine import Engine
+
+    generator = torch.Generator().manual_seed(7)
+
+    def text(n: int) -> list[int]:
+        return torch.randint(0, model.config.vocab_size, (n,), generator=generator).tolist()
+
+    system = text(300)
+    messages = [[text(40 + 20 * u) for u in range(users)] for _ in range(turns)]
+    outputs = {}
+    for cached in (True, False):
+        engine = Engine(model, max_batch=users, decode_buckets=(users,), prefix_cache=cached)
+        histories, turns_out = [list(system) for _ in range(users)], []
+        for turn in range(turns):
+            histories = [h + messages[turn][u] for u, h in enumerate(histories)]
+            results = engine.generate(histories, 6)
+            turns_out.append(results)
+            histories = [h + r.tokens for h, r in zip(histories, results, strict=True)]
+        outputs[cached] = turns_out
+    table = Table(title="multi-turn chat through the engine (prefix cache on)")
+    for col in ("turn", "prompt tokens", "restored from cache", "computed", "same tokens as without cache"):
+        table.add_column(col)
+    same_all = True
+    for turn, (with_cache, without) in enumerate(zip(outputs[True], outputs[False], strict=True)):
+        same = [a.tokens == b.tokens for a, b in zip(with_cache, without, strict=True)]
+        same_all = same_all and all(same)
+        table.add_row(str(turn + 1), str(sum(r.cache.prompt_tokens for r in with_cache)),
+                      str(sum(r.cache.cached_tokens for r in with_cache)),
+                      str(sum(r.cache.prefill_tokens for r in with_cache)), "yes" if all(same) else "NO")
+    console.print(table)
+    return same_all
 
 
 def run_optimized(console: Console, model: DeepSeekV4, ids: torch.Tensor, prompt_len: int, eager_logits: torch.Tensor,

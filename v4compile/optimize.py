@@ -76,15 +76,25 @@ class OptimizedModel:
 
 def optimize(model: nn.Module, *, backend: str = "auto", passes: list[str] | None = None,
              disable: tuple[str, ...] | list[str] = (), debug_dir: str | Path | None = None, check: bool = False,
-             fuel: int | None = None, inductor: bool = True, options: dict[str, dict] | None = None) -> OptimizedModel:
+             fuel: int | None = None, inductor: bool = True, options: dict[str, dict] | None = None,
+             deterministic: bool = False) -> OptimizedModel:
     """Compiles ``model`` with the v4compile passes and kernels.
 
     ``backend``: "auto" | "triton" | "tilelang" | "reference" (kernel bodies). ``passes``: pass names to
     run (default all), ``disable``: names to switch off, ``options``: per-pass options. ``debug_dir``:
     dump each graph when a pass changed it. ``check``: compare every rewritten region with the original
     while running (the graph then runs eagerly). ``fuel``: stop after that many rewrites (bisecting).
-    ``inductor=False`` runs the rewritten graph eagerly instead of through Inductor.
+    ``inductor=False`` runs the rewritten graph eagerly instead of through Inductor. ``deterministic``:
+    bitwise-repeatable results (RL training): switches torch to deterministic algorithms for the whole
+    process (``torch.use_deterministic_algorithms``) and Inductor to deterministic codegen; the v4compile
+    kernels reduce in a fixed order already (the top-k's atomics only pick slots, ranks fix the order).
     """
+    if deterministic:
+        import torch._inductor.config as inductor_config
+
+        torch.use_deterministic_algorithms(True)
+        if hasattr(inductor_config, "deterministic"):
+            inductor_config.deterministic = True
     kernel_backend = resolve_backend(backend)
     unknown = [n for n in disable if n not in PASSES]
     if unknown:

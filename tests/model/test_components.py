@@ -70,18 +70,26 @@ def _compressor(ratio: int, rotate: bool) -> Compressor:
     return comp
 
 
-@pytest.mark.parametrize(("ratio", "rotate"), [(4, False), (4, True), (128, False)])
-def test_compressor_incremental_state_equals_batch_compression_at_every_remainder(ratio: int, rotate: bool) -> None:
-    """Prefill p tokens, decode the rest one by one: every emitted entry equals batch compression."""
-    torch.manual_seed(0)
+def _compressor_case(ratio: int, rotate: bool, seed: int
+                     ) -> tuple[V4Config, Compressor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A compressor, its RoPE table, 2 x (2 ratio + 3) random tokens and their batch-compressed entries."""
+    torch.manual_seed(seed)
     config = V4Config.preset("tiny", max_seq_len=512)
     comp = _compressor(ratio, rotate)
     freqs = rope_frequencies(config.rope_head_dim, config.compress_rope_theta, config.original_seq_len,
                              config.rope_factor, config.beta_fast, config.beta_slow)
-    total = 2 * ratio + 3
-    x = torch.randn(2, total, config.dim).to(torch.bfloat16)
+    x = torch.randn(2, 2 * ratio + 3, config.dim).to(torch.bfloat16)
     with torch.no_grad():
         reference = comp.forward_full(x, freqs, None).float()
+    return config, comp, freqs, x, reference
+
+
+@pytest.mark.parametrize(("ratio", "rotate"), [(4, False), (4, True), (128, False)])
+def test_compressor_incremental_state_equals_batch_compression_at_every_remainder(ratio: int, rotate: bool) -> None:
+    """Prefill p tokens, decode the rest one by one: every emitted entry equals batch compression."""
+    config, comp, freqs, x, reference = _compressor_case(ratio, rotate, seed=0)
+    total = x.shape[1]
+    with torch.no_grad():
         prefixes = range(1, total) if ratio == 4 else [1, ratio - 1, ratio, ratio + 1, 2 * ratio - 1, 2 * ratio]
         for p in prefixes:
             cache = V4Cache(config, 2, 512).layers[1 if ratio == 4 else 2]
@@ -97,15 +105,9 @@ def test_compressor_incremental_state_equals_batch_compression_at_every_remainde
 @pytest.mark.parametrize(("ratio", "rotate"), [(4, False), (4, True), (128, False)])
 def test_compressor_chunks_equal_batch_compression_at_every_split(ratio: int, rotate: bool) -> None:
     """Feed the tokens in two chunks split anywhere: every entry equals batch compression."""
-    torch.manual_seed(1)
-    config = V4Config.preset("tiny", max_seq_len=512)
-    comp = _compressor(ratio, rotate)
-    freqs = rope_frequencies(config.rope_head_dim, config.compress_rope_theta, config.original_seq_len,
-                             config.rope_factor, config.beta_fast, config.beta_slow)
-    total = 2 * ratio + 3
-    x = torch.randn(2, total, config.dim).to(torch.bfloat16)
+    config, comp, freqs, x, reference = _compressor_case(ratio, rotate, seed=1)
+    total = x.shape[1]
     with torch.no_grad():
-        reference = comp.forward_full(x, freqs, None).float()
         splits = range(1, total) if ratio == 4 else [1, ratio - 1, ratio, ratio + 1, 2 * ratio + 1]
         for p in splits:
             cache = V4Cache(config, 2, 512).layers[1 if ratio == 4 else 2]
@@ -140,3 +142,56 @@ def test_chunked_prefill_matches_full_prefill_and_decodes_on(tiny_model: v4compi
             assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.99, chunks
     with pytest.raises(v4compile.InputError, match="does not fit"):
         model.extend(ids[:, :10], 250, model.new_cache(2, 256))
+
+
+def test_several_decode_tokens_equal_one_at_a_time_and_a_rejected_draft_rolls_back(
+        tiny_model: v4compile.DeepSeekV4) -> None:
+    """decode_tokens (speculative verification) over 3 tokens equals three decode steps, caches included;
+    a wrong draft, rolled back, leaves the cache as if only the real token had been decoded."""
+    model = tiny_model
+    torch.manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 131))
+    cos = torch.nn.functional.cosine_similarity
+    with torch.no_grad():
+        one, many = model.new_cache(2, 256), model.new_cache(2, 256)
+        for cache in (one, many):
+            model(ids[:, :127], cache=cache)
+        pos = torch.tensor([127, 127])
+        steps = [model.decode_step(ids[:, 127 + j : 128 + j], pos + j, one) for j in range(3)]
+        logits, hidden = model.decode_tokens(ids[:, 127:130], pos, many)
+        assert hidden.shape == (2, 3, model.config.hc_mult, model.config.dim)
+        assert cos(logits, torch.cat(steps, 1), dim=-1).min() > 0.9999
+        for a, b in zip(one.layers, many.layers, strict=True):
+            assert torch.equal(a.window, b.window)
+            for x, y in ((a.compressor, b.compressor), (a.indexer, b.indexer)):
+                if x is not None:
+                    assert torch.equal(x.entries, y.entries) and torch.equal(x.kv_state, y.kv_state)
+        # the wrong draft at 127 closes a C4 and a C128 block: the rollback must undo that
+        plain = model.new_cache(2, 256)
+        model(ids[:, :126], cache=plain)
+        fresh = model.new_cache(2, 256)
+        model(ids[:, :126], cache=fresh)
+        want = model.decode_step(ids[:, 126:127], pos - 1, plain)
+        checkpoint = fresh.draft_checkpoint()
+        got, _ = model.decode_tokens(torch.cat((ids[:, 126:127], torch.full((2, 1), 7)), 1), pos - 1, fresh)
+        fresh.rollback_draft(checkpoint, torch.arange(2), pos)
+        assert cos(got[:, 0], want[:, 0], dim=-1).min() > 0.9999
+        after_plain = model.decode_step(ids[:, 127:128], pos, plain)
+        after_draft = model.decode_step(ids[:, 127:128], pos, fresh)
+        assert cos(after_plain, after_draft, dim=-1).min() > 0.9999
+
+
+def test_mtp_step_after_a_prefill_chunk_and_in_decode_matches_the_full_path(tiny_model: v4compile.DeepSeekV4) -> None:
+    model, window = tiny_model, tiny_model.config.window_size
+    torch.manual_seed(4)
+    ids = torch.randint(0, model.config.vocab_size, (2, 101))
+    cos = torch.nn.functional.cosine_similarity
+    with torch.no_grad():
+        hidden = model.hidden_states(ids)
+        full = model.mtp_logits(hidden[:, :100], ids[:, 1:101])
+        cache = model.new_cache(2, 256)
+        start = 99 - window
+        chunk = model.mtp_step(hidden[:, start:99], ids[:, start + 1 : 100], cache, start=start)
+        assert cos(chunk[:, -1], full[:, 98], dim=-1).min() > 0.9999
+        step = model.mtp_step(hidden[:, 99:100], ids[:, 100:101], cache, positions=torch.tensor([99, 99]))
+        assert cos(step[:, 0], full[:, 99], dim=-1).min() > 0.9999

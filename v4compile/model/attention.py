@@ -18,6 +18,7 @@ from .indexer import Indexer
 from .linear import Linear
 from .norm import RMSNorm
 from .rope import apply_rope, rope_cos_sin, rope_frequencies
+from .routing import Routing
 from .sparse_attention import sparse_attention
 
 
@@ -33,6 +34,22 @@ def window_index_decode(positions: torch.Tensor, window: int) -> torch.Tensor:
     slots = torch.arange(window, device=positions.device)
     held = positions.unsqueeze(-1) - torch.remainder(positions.unsqueeze(-1) - slots, window)
     return torch.where(held >= 0, slots, -1).unsqueeze(1)
+
+
+def _replayed(routing: Routing | None, layer: int) -> torch.Tensor | None:
+    return routing.indexer[layer] if routing is not None and routing.replay else None
+
+
+def _record(routing: Routing | None, layer: int, chosen: torch.Tensor) -> None:
+    if routing is not None and not routing.replay:
+        routing.indexer[layer] = chosen
+
+
+def _append(keys: torch.Tensor, index: torch.Tensor, entries: torch.Tensor,
+            chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys followed by the compressed entries, and the index extended by the chosen entries' slots."""
+    return torch.cat((keys, entries), dim=1), torch.cat((index, torch.where(chosen >= 0, chosen + keys.shape[1], -1)),
+                                                         dim=-1)
 
 
 class Attention(nn.Module):
@@ -82,8 +99,14 @@ class Attention(nn.Module):
         o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
         return self.wo_b(o.flatten(2))
 
+    def _dense_choice(self, entries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """C128: every complete entry before each query. ``positions`` [..., S] -> ids [..., S, N], -1 if not yet."""
+        ids = torch.arange(entries.shape[1], device=entries.device)
+        return torch.where(ids < ((positions + 1) // self.ratio).unsqueeze(-1), ids, -1)
+
     # ------------------------------------------------------------------ full sequence / prefill
-    def forward_full(self, x: torch.Tensor, cache: LayerCache | None) -> torch.Tensor:
+    def forward_full(self, x: torch.Tensor, cache: LayerCache | None, routing: Routing | None = None,
+                     layer: int = 0) -> torch.Tensor:
         """Attention for a whole sequence starting at position 0; fills ``cache`` when given (prefill)."""
         bsz, seqlen, _ = x.shape
         cos, sin = rope_cos_sin(self.freqs, torch.arange(seqlen, device=x.device))
@@ -94,13 +117,12 @@ class Attention(nn.Module):
         if self.ratio:
             entries = self.compressor.forward_full(x, self.freqs, cache.compressor if cache else None)
             if self.indexer is not None:
-                chosen = self.indexer.forward_full(x, qr, cos, sin, self.freqs, cache.indexer if cache else None)
+                chosen = self.indexer.forward_full(x, qr, cos, sin, self.freqs, cache.indexer if cache else None,
+                                                   _replayed(routing, layer))
+                _record(routing, layer, chosen)
             else:
-                count = (torch.arange(1, seqlen + 1, device=x.device) // self.ratio).unsqueeze(-1)
-                ids = torch.arange(entries.shape[1], device=x.device).expand(seqlen, -1)
-                chosen = torch.where(ids < count, ids, -1).expand(bsz, -1, -1)
-            index = torch.cat((index, torch.where(chosen >= 0, chosen + seqlen, -1)), dim=-1)
-            keys = torch.cat((kv, entries), dim=1)
+                chosen = self._dense_choice(entries, torch.arange(seqlen, device=x.device)).expand(bsz, -1, -1)
+            keys, index = _append(keys, index, entries, chosen)
         if cache is not None:
             self._store_window(kv, cache)
         o = sparse_attention(q, keys, self.attn_sink, index, self.softmax_scale)
@@ -114,7 +136,8 @@ class Attention(nn.Module):
         cache.window[:bsz, slots] = kv[:, seqlen - keep :]
 
     # ------------------------------------------------------------------ chunk (prefill continuing a cache)
-    def forward_chunk(self, x: torch.Tensor, start: int, cache: LayerCache) -> torch.Tensor:
+    def forward_chunk(self, x: torch.Tensor, start: int, cache: LayerCache, routing: Routing | None = None,
+                      layer: int = 0) -> torch.Tensor:
         """Attention for a chunk of tokens at positions ``start..start+S-1`` (every row) after ``start``
         tokens already in ``cache``: the window reaches back into the ring, the compressed entries cover
         cached and new blocks; updates ``cache``. ``start == 0`` is a prefill."""
@@ -130,21 +153,24 @@ class Attention(nn.Module):
         if self.ratio:
             entries = self.compressor.forward_chunk(x, start, self.freqs, cache.compressor)
             if self.indexer is not None:
-                chosen = self.indexer.forward_chunk(x, qr, start, cos, sin, self.freqs, cache.indexer)
+                chosen = self.indexer.forward_chunk(x, qr, start, cos, sin, self.freqs, cache.indexer,
+                                                    _replayed(routing, layer))
+                _record(routing, layer, chosen)
             else:
-                count = ((positions + 1) // self.ratio).unsqueeze(-1)
-                ids = torch.arange(entries.shape[1], device=x.device).expand(seqlen, -1)
-                chosen = torch.where(ids < count, ids, -1).expand(bsz, -1, -1)
-            index = torch.cat((index, torch.where(chosen >= 0, chosen + keys.shape[1], -1)), dim=-1)
-            keys = torch.cat((keys, entries), dim=1)
+                chosen = self._dense_choice(entries, positions).expand(bsz, -1, -1)
+            keys, index = _append(keys, index, entries, chosen)
         keep = min(seqlen, self.window)
         cache.window[:bsz, positions[seqlen - keep :] % self.window] = kv[:, seqlen - keep :]
         o = sparse_attention(q, keys, self.attn_sink, index, self.softmax_scale)
         return self._output(o, cos, sin)
 
     # ------------------------------------------------------------------ decode
-    def forward_decode(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache) -> torch.Tensor:
-        """Attention for one token per row (x [B, 1, D]) at ``positions`` [B], reading and updating ``cache``."""
+    def forward_decode(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache,
+                       routing: Routing | None = None, layer: int = 0) -> torch.Tensor:
+        """Attention for one token per row (x [B, 1, D]) at ``positions`` [B], reading and updating ``cache``;
+        x [B, S, D] takes S consecutive tokens per row from ``positions`` (speculative verification)."""
+        if x.shape[1] > 1:
+            return self._forward_decode_tokens(x, positions, cache, routing, layer)
         bsz = x.shape[0]
         rows = torch.arange(bsz, device=x.device)
         cos, sin = rope_cos_sin(self.freqs, positions.unsqueeze(-1))
@@ -157,11 +183,45 @@ class Attention(nn.Module):
             self.compressor.forward_decode(x, positions, self.freqs, cache.compressor)
             entries = cache.compressor.entries[:bsz]
             if self.indexer is not None:
-                chosen = self.indexer.forward_decode(x, qr, positions, cos, sin, self.freqs, cache.indexer)
+                chosen = self.indexer.forward_decode(x, qr, positions, cos, sin, self.freqs, cache.indexer,
+                                                     _replayed(routing, layer))
+                _record(routing, layer, chosen)
             else:
-                ids = torch.arange(entries.shape[1], device=x.device).view(1, 1, -1)
-                chosen = torch.where(ids < ((positions + 1) // self.ratio).view(bsz, 1, 1), ids, -1)
-            index = torch.cat((index, torch.where(chosen >= 0, chosen + self.window, -1)), dim=-1)
-            keys = torch.cat((keys, entries), dim=1)
+                chosen = self._dense_choice(entries, positions.view(bsz, 1))
+            keys, index = _append(keys, index, entries, chosen)
+        o = sparse_attention(q, keys, self.attn_sink, index, self.softmax_scale)
+        return self._output(o, cos, sin)
+
+    def _forward_decode_tokens(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache,
+                               routing: Routing | None, layer: int) -> torch.Tensor:
+        """S tokens per row at ``positions[b] + 0..S-1``: each reads the ring as it was before this call for
+        earlier positions and this call's own keys for the rest, so writing token j's ring slot cannot hide a
+        position token i < j still needs; the compressors take the tokens one by one."""
+        bsz, seqlen, _ = x.shape
+        rows = torch.arange(bsz, device=x.device)
+        pos = positions.unsqueeze(-1) + torch.arange(seqlen, device=x.device)
+        cos, sin = rope_cos_sin(self.freqs, pos)
+        q, qr = self._queries(x, cos, sin)
+        kv = self._window_kv(x, cos, sin)
+        slots = torch.arange(self.window, device=x.device)
+        last = positions.view(bsz, 1, 1) - 1
+        held = last - torch.remainder(last - slots, self.window)
+        ring_index = torch.where((held >= 0) & (held > pos.unsqueeze(-1) - self.window), slots, -1)
+        new = torch.arange(seqlen, device=x.device)
+        own = torch.where(new <= new.view(-1, 1), self.window + new, -1).expand(bsz, -1, -1)
+        index = torch.cat((ring_index, own), dim=-1)
+        keys = torch.cat((cache.window[:bsz], kv), dim=1)
+        if self.ratio:
+            for j in range(seqlen):
+                self.compressor.forward_decode(x[:, j : j + 1], pos[:, j], self.freqs, cache.compressor)
+            entries = cache.compressor.entries[:bsz]
+            if self.indexer is not None:
+                chosen = self.indexer.forward_decode(x, qr, positions, cos, sin, self.freqs, cache.indexer,
+                                                     _replayed(routing, layer))
+                _record(routing, layer, chosen)
+            else:
+                chosen = self._dense_choice(entries, pos)
+            keys, index = _append(keys, index, entries, chosen)
+        cache.window[rows.unsqueeze(-1), pos % self.window] = kv
         o = sparse_attention(q, keys, self.attn_sink, index, self.softmax_scale)
         return self._output(o, cos, sin)

@@ -11,6 +11,7 @@ from .config import V4Config
 from .mhc import hc_post, hc_pre
 from .moe import MoE
 from .norm import RMSNorm
+from .routing import Routing
 
 
 class Block(nn.Module):
@@ -32,22 +33,24 @@ class Block(nn.Module):
 
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor, cache: LayerCache | None = None,
-        positions: torch.Tensor | None = None, start: int | None = None,
+        positions: torch.Tensor | None = None, start: int | None = None, routing: Routing | None = None,
+        layer: int = 0,
     ) -> torch.Tensor:
         """Streams x [B, S, n, D] -> new streams. ``positions`` [B] selects one-token decode against ``cache``;
         ``start`` a chunk continuing ``cache`` at that position; with neither the call is a full sequence
-        from position 0 (a prefill when ``cache`` is given)."""
+        from position 0 (a prefill when ``cache`` is given). ``routing`` records or replays this block's
+        expert and indexer choices as layer ``layer``."""
         y, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.hc_iters,
                                self.hc_eps, self.norm_eps)
         y = self.attn_norm(y)
         if positions is not None:
-            y = self.attn.forward_decode(y, positions, cache)
+            y = self.attn.forward_decode(y, positions, cache, routing, layer)
         elif start is not None:
-            y = self.attn.forward_chunk(y, start, cache)
+            y = self.attn.forward_chunk(y, start, cache, routing, layer)
         else:
-            y = self.attn.forward_full(y, cache)
+            y = self.attn.forward_full(y, cache, routing, layer)
         x = hc_post(y, x, post, comb)
         y, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters,
                                self.hc_eps, self.norm_eps)
-        y = self.ffn(self.ffn_norm(y), input_ids)
+        y = self.ffn(self.ffn_norm(y), input_ids, routing, layer)
         return hc_post(y, x, post, comb)

@@ -74,11 +74,20 @@ class V4Cache:
             if ratio == 4:
                 layer.indexer = _compressor_cache(batch_size, self.max_seq_len, ratio, config.index_head_dim, device)
             self.layers.append(layer)
+        self.mtp: list[LayerCache] = [
+            LayerCache(torch.zeros(batch_size, config.window_size, config.head_dim, dtype=torch.bfloat16,
+                                   device=device)) for _ in range(config.n_mtp_layers)]
+        """Window rings of the (window-only) MTP blocks, for drafting in speculative decoding."""
+
+    @property
+    def all_layers(self) -> list[LayerCache]:
+        """The main layers' caches, then the MTP blocks'."""
+        return self.layers + self.mtp
 
     def reset(self, rows: list[int] | None = None) -> None:
         """Clears the given batch rows (all when None) so new sequences can start there."""
         index = torch.arange(self.batch_size) if rows is None else torch.tensor(rows, dtype=torch.long)
-        for layer in self.layers:
+        for layer in self.all_layers:
             layer.reset_rows(index.to(layer.window.device))
 
     def rows(self, start: int, stop: int) -> V4Cache:
@@ -91,13 +100,13 @@ class V4Cache:
                 return None
             return CompressorCache(c.entries[start:stop], c.kv_state[start:stop], c.score_state[start:stop])
 
-        view.layers = [LayerCache(layer.window[start:stop], part(layer.compressor), part(layer.indexer))
-                       for layer in self.layers]
+        view.layers, view.mtp = [[LayerCache(layer.window[start:stop], part(layer.compressor), part(layer.indexer))
+                                  for layer in group] for group in (self.layers, self.mtp)]
         return view
 
     def copy_row(self, dst_row: int, src: V4Cache, src_row: int) -> None:
         """Copies one sequence's whole state from ``src`` row ``src_row`` into row ``dst_row``."""
-        for mine, theirs in zip(self.layers, src.layers, strict=True):
+        for mine, theirs in zip(self.all_layers, src.all_layers, strict=True):
             mine.window[dst_row] = theirs.window[src_row]
             for a, b in ((mine.compressor, theirs.compressor), (mine.indexer, theirs.indexer)):
                 if a is not None and b is not None:
@@ -105,10 +114,25 @@ class V4Cache:
                     a.kv_state[dst_row] = b.kv_state[src_row]
                     a.score_state[dst_row] = b.score_state[src_row]
 
+    def draft_checkpoint(self) -> list[tuple[CompressorCache, torch.Tensor, torch.Tensor]]:
+        """What a rejected draft token can leave behind that the next real token does not overwrite: the
+        previous-block rows of every overlapping (C4) compressor, which a block-closing draft shifts in.
+        (Its ring slot, its open-block row and any entry it emitted are rewritten by the real token.)"""
+        return [(c, c.kv_state[:, :4].clone(), c.score_state[:, :4].clone()) for layer in self.layers
+                for c in (layer.compressor, layer.indexer) if c is not None and c.kv_state.shape[1] == 8]
+
+    def rollback_draft(self, checkpoint: list[tuple[CompressorCache, torch.Tensor, torch.Tensor]],
+                       rows: torch.Tensor, draft_positions: torch.Tensor) -> None:
+        """Undoes the drafts at ``draft_positions`` [R] of batch ``rows`` [R] after ``draft_checkpoint``."""
+        closing = rows[(draft_positions + 1) % 4 == 0]
+        for c, kv_prev, score_prev in checkpoint:
+            c.kv_state[closing, :4] = kv_prev[closing]
+            c.score_state[closing, :4] = score_prev[closing]
+
     def nbytes(self) -> int:
         """Bytes held by every cache tensor."""
         total = 0
-        for layer in self.layers:
+        for layer in self.all_layers:
             total += layer.window.nbytes
             for c in (layer.compressor, layer.indexer):
                 if c is not None:

@@ -58,20 +58,20 @@ class Indexer(nn.Module):
 
     def forward_full(
         self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, freqs: torch.Tensor,
-        cache: CompressorCache | None,
+        cache: CompressorCache | None, replay: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Selected entry ids [B, S, k] for a sequence starting at position 0."""
+        """Selected entry ids [B, S, k] for a sequence starting at position 0 (``replay`` instead, if given)."""
         seqlen = x.shape[1]
         keys = self.compressor.forward_full(x, freqs, cache)
         q = self.queries(qr, cos, sin)
         scores = self.scores(x, q, keys)
         count = (torch.arange(1, seqlen + 1, device=x.device) // self.ratio).unsqueeze(-1)
         visible = torch.arange(keys.shape[1], device=x.device) < count
-        return self.select(scores, visible.unsqueeze(0))
+        return replay if replay is not None else self.select(scores, visible.unsqueeze(0))
 
     def forward_chunk(
         self, x: torch.Tensor, qr: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
-        freqs: torch.Tensor, cache: CompressorCache,
+        freqs: torch.Tensor, cache: CompressorCache, replay: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Selected entry ids [B, S, k] for a chunk of tokens at positions ``start..start+S-1``."""
         seqlen = x.shape[1]
@@ -79,18 +79,20 @@ class Indexer(nn.Module):
         scores = self.scores(x, self.queries(qr, cos, sin), keys)
         count = (torch.arange(start + 1, start + seqlen + 1, device=x.device) // self.ratio).unsqueeze(-1)
         visible = torch.arange(keys.shape[1], device=x.device) < count
-        return self.select(scores, visible.unsqueeze(0))
+        return replay if replay is not None else self.select(scores, visible.unsqueeze(0))
 
     def forward_decode(
         self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        freqs: torch.Tensor, cache: CompressorCache,
+        freqs: torch.Tensor, cache: CompressorCache, replay: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Selected entry ids [B, 1, k] for one token per row at ``positions`` [B]."""
-        bsz = x.shape[0]
-        self.compressor.forward_decode(x, positions, freqs, cache)
+        """Selected entry ids [B, S, k] for S consecutive tokens per row from ``positions`` [B] (usually S = 1)."""
+        bsz, seqlen = x.shape[:2]
+        pos = positions.unsqueeze(-1) + torch.arange(seqlen, device=x.device)
+        for j in range(seqlen):
+            self.compressor.forward_decode(x[:, j : j + 1], pos[:, j], freqs, cache)
         keys = cache.entries[:bsz]
         q = self.queries(qr, cos, sin)
         scores = self.scores(x, q, keys)
-        count = ((positions + 1) // self.ratio).view(bsz, 1, 1)
+        count = ((pos + 1) // self.ratio).unsqueeze(-1)
         visible = torch.arange(keys.shape[1], device=x.device).view(1, 1, -1) < count
-        return self.select(scores, visible)
+        return replay if replay is not None else self.select(scores, visible)

@@ -8,6 +8,7 @@ from torch import nn
 
 from .config import V4Config
 from .linear import Linear, WeightFormat
+from .routing import Routing
 
 
 class Gate(nn.Module):
@@ -24,10 +25,14 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
             self.tid2eid = None
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routing weights [T, k] (fp32) and expert ids [T, k] for tokens x [T, D] with ids [T]."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor,
+                replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights [T, k] (fp32) and expert ids [T, k] for tokens x [T, D] with ids [T]; ``replay``
+        [T, k] gives the experts (weights still come from this gate's scores, so gradients flow)."""
         scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
-        if self.hashed:
+        if replay is not None:
+            ids = replay.long()
+        elif self.hashed:
             ids = self.tid2eid[input_ids].long()
         else:
             ids = (scores + self.bias).topk(self.topk, dim=-1).indices
@@ -75,15 +80,22 @@ class MoE(nn.Module):
         )
         self.shared_experts = Expert(config.dim, config.moe_inter_dim, dense_fmt, config.pow2_scales, limit)
 
-    def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routing weights and expert ids for x [B, S, D]."""
-        return self.gate(x.reshape(-1, self.dim), input_ids.reshape(-1))
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor,
+              replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights and expert ids for x [B, S, D] (``replay`` [B, S, k]: the experts to use)."""
+        return self.gate(x.reshape(-1, self.dim), input_ids.reshape(-1),
+                         None if replay is None else replay.reshape(-1, replay.shape[-1]))
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, routing: Routing | None = None,
+                layer: int = 0) -> torch.Tensor:
         """MoE output for x [B, S, D] (bf16). Every expert runs on every token with its routing weight
-        (zero when not chosen): static shapes, no host syncs; the compiler replaces this dispatch."""
+        (zero when not chosen): static shapes, no host syncs; the compiler replaces this dispatch.
+        ``routing`` records this layer's experts into ``routing.experts[layer]`` or replays them."""
         flat = x.reshape(-1, self.dim)
-        weights, ids = self.route(x, input_ids)
+        replay = routing.experts[layer] if routing is not None and routing.replay else None
+        weights, ids = self.route(x, input_ids, replay)
+        if routing is not None and not routing.replay:
+            routing.experts[layer] = ids.view(*x.shape[:-1], -1)
         combine = torch.zeros(flat.shape[0], self.n_experts, dtype=torch.float32, device=x.device)
         combine = combine.scatter(1, ids, weights)
         y = torch.zeros(flat.shape, dtype=torch.float32, device=x.device)

@@ -19,6 +19,7 @@ from .linear import Linear
 from .mhc import hc_head
 from .mtp import MTPBlock
 from .norm import RMSNorm
+from .routing import Routing
 
 
 class InputError(ValueError):
@@ -78,6 +79,10 @@ class DeepSeekV4(nn.Module):
             raise InputError(f"sequence of {seqlen} tokens is longer than the configured maximum {limit} "
                              f"(max_seq_len)")
 
+    def _check_routing(self, routing: Routing | None, input_ids: torch.Tensor) -> None:
+        if routing is not None and routing.replay and not torch.compiler.is_compiling():
+            routing.validate(self.config, *input_ids.shape)
+
     def _check_cache(self, cache: V4Cache, batch: int) -> None:
         if not isinstance(cache, V4Cache):
             raise InputError(f"cache must be a V4Cache (model.new_cache), got {type(cache).__name__}")
@@ -91,15 +96,18 @@ class DeepSeekV4(nn.Module):
         """An empty decode cache for ``batch_size`` sequences (on the model's device by default)."""
         return V4Cache(self.config, batch_size, max_seq_len, device or self.embed.weight.device)
 
-    def hidden_states(self, input_ids: torch.Tensor, cache: V4Cache | None = None) -> torch.Tensor:
-        """Final mHC streams [B, S, hc_mult, dim] of a full sequence; fills ``cache`` when given (prefill)."""
+    def hidden_states(self, input_ids: torch.Tensor, cache: V4Cache | None = None,
+                      routing: Routing | None = None) -> torch.Tensor:
+        """Final mHC streams [B, S, hc_mult, dim] of a full sequence; fills ``cache`` when given (prefill).
+        ``routing`` records the experts and indexer entries every layer chose, or replays given ones."""
         self._check_ids(input_ids)
+        self._check_routing(routing, input_ids)
         self._check_length(input_ids.shape[1], cache)
         if cache is not None:
             self._check_cache(cache, input_ids.shape[0])
         x = self.embed(input_ids).unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, input_ids, cache.layers[i] if cache is not None else None)
+            x = layer(x, input_ids, cache.layers[i] if cache is not None else None, routing=routing, layer=i)
         return x
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
@@ -108,30 +116,37 @@ class DeepSeekV4(nn.Module):
                     self.config.norm_eps)
         return self.head(self.norm(h))
 
-    def forward(self, input_ids: torch.Tensor, cache: V4Cache | None = None) -> torch.Tensor:
-        """fp32 logits [B, S, vocab] at every position; fills ``cache`` when given (prefill from position 0)."""
-        return self.logits(self.hidden_states(input_ids, cache))
+    def forward(self, input_ids: torch.Tensor, cache: V4Cache | None = None,
+                routing: Routing | None = None) -> torch.Tensor:
+        """fp32 logits [B, S, vocab] at every position; fills ``cache`` when given (prefill from position 0);
+        ``routing`` records or replays the discrete choices (see ``Routing``)."""
+        return self.logits(self.hidden_states(input_ids, cache, routing))
 
-    def extend_hidden(self, input_ids: torch.Tensor, start: int, cache: V4Cache) -> torch.Tensor:
+    def extend_hidden(self, input_ids: torch.Tensor, start: int, cache: V4Cache,
+                      routing: Routing | None = None) -> torch.Tensor:
         """Final streams [B, S, hc_mult, dim] of a chunk at positions ``start..start+S-1`` continuing ``cache``
         (which holds the first ``start`` tokens of every row); updates ``cache``."""
         self._check_ids(input_ids)
+        self._check_routing(routing, input_ids)
         self._check_cache(cache, input_ids.shape[0])
         if start < 0 or start + input_ids.shape[1] > cache.max_seq_len:
             raise InputError(f"chunk at positions {start}..{start + input_ids.shape[1] - 1} does not fit the "
                              f"cache's maximum length {cache.max_seq_len} (max_seq_len)")
         x = self.embed(input_ids).unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, input_ids, cache.layers[i], start=start)
+            x = layer(x, input_ids, cache.layers[i], start=start, routing=routing, layer=i)
         return x
 
-    def extend(self, input_ids: torch.Tensor, start: int, cache: V4Cache) -> torch.Tensor:
+    def extend(self, input_ids: torch.Tensor, start: int, cache: V4Cache,
+               routing: Routing | None = None) -> torch.Tensor:
         """Logits [B, S, vocab] of a chunk continuing ``cache`` at position ``start`` (chunked prefill)."""
-        return self.logits(self.extend_hidden(input_ids, start, cache))
+        return self.logits(self.extend_hidden(input_ids, start, cache, routing))
 
-    def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: V4Cache) -> torch.Tensor:
+    def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: V4Cache,
+                    routing: Routing | None = None) -> torch.Tensor:
         """Logits [B, 1, vocab] for one new token per row at ``positions`` [B], reading and updating ``cache``."""
         self._check_ids(input_ids)
+        self._check_routing(routing, input_ids)
         self._check_cache(cache, input_ids.shape[0])
         if input_ids.shape[1] != 1:
             raise InputError(f"decode_step takes one token per row, got input_ids of shape {tuple(input_ids.shape)}")
@@ -142,8 +157,41 @@ class DeepSeekV4(nn.Module):
                              f"{cache.max_seq_len} (max_seq_len)")
         x = self.embed(input_ids).unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, input_ids, cache.layers[i], positions)
+            x = layer(x, input_ids, cache.layers[i], positions, routing=routing, layer=i)
         return self.logits(x)
+
+    def decode_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      cache: V4Cache, routing: Routing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, S, vocab] and final streams [B, S, n, D] of S consecutive tokens per row starting at
+        ``positions`` [B] (speculative verification: the current token and its drafts); updates ``cache``."""
+        self._check_ids(input_ids)
+        self._check_cache(cache, input_ids.shape[0])
+        if positions.shape != (input_ids.shape[0],):
+            raise InputError(f"positions must have shape [{input_ids.shape[0]}], got {tuple(positions.shape)}")
+        if not torch.compiler.is_compiling() and int(positions.max()) + input_ids.shape[1] > cache.max_seq_len:
+            raise InputError(f"positions up to {int(positions.max()) + input_ids.shape[1] - 1} are beyond the "
+                             f"cache's maximum length {cache.max_seq_len} (max_seq_len)")
+        self._check_routing(routing, input_ids)
+        x = self.embed(input_ids).unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, input_ids, cache.layers[i], positions, routing=routing, layer=i)
+        return self.logits(x), x
+
+    def mtp_step(self, hidden: torch.Tensor, next_ids: torch.Tensor, cache: V4Cache, *,
+                 positions: torch.Tensor | None = None, start: int | None = None, k: int = 0) -> torch.Tensor:
+        """Logits of MTP block ``k`` (the token after ``next_ids``) at cached positions: streams ``hidden``
+        [B, S, n, D] of the main model at those positions and ``next_ids`` [B, S] (the tokens that followed
+        them). ``positions`` [B]: S tokens per row from there (decoding); ``start``: a chunk from that position
+        for every row (after a prefill). Updates the block's window ring in ``cache.mtp[k]``."""
+        self._check_ids(next_ids, "next_ids")
+        if not 0 <= k < len(self.mtp):
+            raise InputError(f"MTP block {k} does not exist; the model has {len(self.mtp)}")
+        block = self.mtp[k]
+        x = block.streams(self.embed(next_ids), hidden.to(torch.bfloat16))
+        x = block(x, next_ids, cache.mtp[k], positions=positions, start=start)
+        h = hc_head(x, block.hc_head_fn, block.hc_head_scale, block.hc_head_base, self.config.hc_eps,
+                    self.config.norm_eps)
+        return self.head(block.norm(h))
 
     def mtp_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor, k: int = 0) -> torch.Tensor:
         """Logits [B, S, vocab] of MTP block ``k`` from main-model streams ``hidden`` [B, S, n, D] and ``input_ids``."""

@@ -12,11 +12,12 @@ may follow the bucket size).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..model.cache import V4Cache
+from ..model.routing import Routing
 from .prefix_store import PrefixStore
 from .requests import RequestError, RequestOutput
 from .sampling import sample
@@ -33,6 +34,9 @@ class _Request:
     done: int = 0
     row: int = -1
     token: int = 0
+    draft: int = -1
+    hidden: torch.Tensor | None = None
+    routing: list[Routing] = field(default_factory=list)
 
 
 class Engine:
@@ -42,11 +46,15 @@ class Engine:
     staging row per concurrent prefill, each sized for ``max_seq_len``), and the rest holds the prefix
     cache's pools. ``max_batch_tokens`` is the largest prefill piece per step (rounded down to a divisor
     of the cache ``chunk``); ``decode_buckets`` are the static decode batch sizes (default: powers of two
-    up to ``max_batch``)."""
+    up to ``max_batch``). ``tail_every`` > 0 also caches a window tail every that many chunks while a prompt
+    is prefilled (fewer tokens recomputed after a branch, more bytes); 0 keeps one at the prompt's end only.
+    ``deterministic``: one decode bucket (every step the same shapes, so a sequence's log-probs do not
+    depend on what else runs) and torch's deterministic algorithms for the process."""
 
     def __init__(self, model: torch.nn.Module, *, memory_budget: int | None = None, max_batch_tokens: int = 128,
                  max_batch: int = 4, max_prefills: int = 1, chunk: int | None = None, prefix_cache: bool = True,
-                 decode_buckets: tuple[int, ...] | None = None, max_seq_len: int | None = None) -> None:
+                 decode_buckets: tuple[int, ...] | None = None, max_seq_len: int | None = None,
+                 tail_every: int = 0, deterministic: bool = False) -> None:
         self.model = model
         config = model.config
         self.config = config
@@ -65,22 +73,40 @@ class Engine:
                              f"{2 * row_bytes} B")
         self.max_prefills = min(max_prefills, rows - 1)
         self.max_batch = rows - self.max_prefills
+        if deterministic:
+            torch.use_deterministic_algorithms(True)
+            decode_buckets = (self.max_batch,)
         self.buckets = tuple(sorted(decode_buckets)) if decode_buckets else _powers_of_two(self.max_batch)
         if self.buckets[-1] < self.max_batch:
             self.buckets = (*self.buckets, self.max_batch)
         self.decode_cache = model.new_cache(self.buckets[-1], self.max_seq_len)
         self.staging = [model.new_cache(1, self.max_seq_len) for _ in range(self.max_prefills)]
-        pool_budget = budget - rows * row_bytes
-        self.store = PrefixStore(config, self.chunk, pool_budget, self.device) if prefix_cache else None
+        self._pool_budget = budget - rows * row_bytes
+        self.store = PrefixStore(config, self.chunk, self._pool_budget, self.device) if prefix_cache else None
+        self.tail_every = tail_every
+        self.speculate = False
+        self.recording = False
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int] = 16, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None) -> list[RequestOutput]:
+                 top_p: float = 1.0, seed: int | None = None, mtp: bool = False,
+                 record_routing: bool = False) -> list[RequestOutput]:
         """Generates for every prompt (token ids) and returns one ``RequestOutput`` per prompt, in order.
         A bad request gets its ``error`` set and the others still run. With ``seed`` the sampled tokens of a
-        request depend only on the seed and its index, not on the rest of the batch."""
+        request depend only on the seed and its index, not on the rest of the batch. ``mtp`` turns on
+        speculative decoding with the model's first MTP block (greedy only): each step verifies the current
+        token and one draft, so a step emits two tokens when the draft is right. ``record_routing`` returns,
+        per request, the experts and indexer entries every layer chose for every token fed to the model
+        (prompt and output but the last), for routing replay in training; such requests are computed in
+        full (their prompts are not served from the prefix cache, which holds no routing)."""
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
+        if mtp and temperature > 0:
+            raise ValueError("MTP speculative decoding is greedy only (temperature 0)")
+        if mtp and not len(getattr(self.model, "mtp", ())):
+            raise ValueError("MTP speculative decoding needs a model with an MTP block (n_mtp_layers >= 1)")
+        self.speculate = mtp
+        self.recording = record_routing
         limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         if len(limits) != len(prompts):
             raise ValueError(f"{len(limits)} max_new_tokens for {len(prompts)} prompts")
@@ -98,6 +124,12 @@ class Engine:
             waiting.append(_Request(i, tokens, limit, generator, outputs[i]))
         self._run(waiting, temperature, top_p)
         return outputs
+
+    def weights_updated(self) -> None:
+        """Call after changing the model's weights (an RL step): drops every cached prefix, whose KV the old
+        weights computed. The engine runs the model object it was given, so new weights serve at once."""
+        if self.store is not None:
+            self.store = PrefixStore(self.config, self.chunk, self._pool_budget, self.device)
 
     def stats(self) -> dict[str, object]:
         """Prefix-cache pools and tree statistics (empty without a prefix cache)."""
@@ -136,7 +168,9 @@ class Engine:
                         self.decode_cache.copy_row(req.row, req.staging, 0)
                         req.staging = None
                         decoding.append(req)
-                if decoding:
+                if decoding and self.speculate:
+                    self._speculative_step(decoding)
+                elif decoding:
                     self._decode_step(decoding, temperature, top_p)
 
     def _admit(self, req: _Request, prefilling: list[_Request]) -> _Request:
@@ -144,7 +178,7 @@ class Engine:
         req.staging = next(c for c in self.staging if id(c) not in used)
         req.staging.reset()
         req.out.cache.prompt_tokens = len(req.prompt)
-        if self.store is not None:
+        if self.store is not None and not self.recording:
             hit = self.store.restore(req.prompt, req.staging)
             req.done = hit.resume_len
             req.out.cache.cached_tokens = hit.resume_len
@@ -156,15 +190,29 @@ class Engine:
         start = req.done
         stop = min(len(req.prompt), (start // self.piece + 1) * self.piece)
         ids = torch.tensor([req.prompt[start:stop]], device=self.device)
-        logits = self.model.extend(ids, start, req.staging)
+        routing = self._recorder()
+        hidden = self.model.extend_hidden(ids, start, req.staging, routing)
+        if routing is not None:
+            req.routing.append(_row(routing, 0, stop - start))
+        if self.speculate:  # the MTP block's window needs the last ``window`` positions' streams
+            kept = hidden if req.hidden is None else torch.cat((req.hidden, hidden), dim=1)
+            req.hidden = kept[:, -self.config.window_size :]
         req.done = stop
         req.out.cache.prefill_tokens += stop - start
         boundary = len(req.prompt) // self.chunk * self.chunk
-        if self.store is not None and stop == boundary and boundary > 0:
-            self.store.save(req.prompt[:boundary], req.staging)
+        checkpoint = self.tail_every and stop % self.chunk == 0 and (stop // self.chunk) % self.tail_every == 0
+        if self.store is not None and 0 < stop <= boundary and (stop == boundary or checkpoint):
+            self.store.save(req.prompt[:stop], req.staging)
         if stop < len(req.prompt):
             return False
-        self._emit(req, logits[0, -1], temperature, top_p)
+        self._emit(req, self.model.logits(hidden[:, -1:])[0, 0], temperature, top_p)
+        if self.speculate:
+            assert req.hidden is not None
+            kept = req.hidden.shape[1]
+            first = len(req.prompt) - kept
+            next_ids = torch.tensor([req.prompt[first + 1 :] + [req.token]], device=self.device)
+            draft_logits = self.model.mtp_step(req.hidden, next_ids, req.staging, start=first)
+            req.draft, req.hidden = self._pick_draft(req, draft_logits[0, -1]), None
         return True
 
     def _decode_step(self, decoding: list[_Request], temperature: float, top_p: float) -> None:
@@ -174,15 +222,68 @@ class Engine:
         for req in decoding:
             ids[req.row, 0] = req.token
             positions[req.row] = len(req.prompt) + len(req.out.tokens) - 1
-        logits = self.model.decode_step(ids, positions, self.decode_cache.rows(0, bucket))
+        routing = self._recorder()
+        logits = self.model.decode_step(ids, positions, self.decode_cache.rows(0, bucket), routing)
         for req in decoding:
             self._emit(req, logits[req.row, 0], temperature, top_p)
+            if routing is not None:
+                req.routing.append(_row(routing, req.row, 1))
         keep = [r for r in decoding if not self._finished(r)]
         for row, req in enumerate(keep):  # rows stay dense: later rows move down over finished ones
             if req.row != row:
                 self.decode_cache.copy_row(row, self.decode_cache, req.row)
                 req.row = row
         decoding[:] = keep
+
+    def _speculative_step(self, decoding: list[_Request]) -> None:
+        """Verifies every row's current token and draft in one step; a row whose draft the main model
+        confirms keeps both tokens plus the token after, others roll their compressor state back; the MTP
+        block then drafts again from the new streams."""
+        bucket = next(b for b in self.buckets if b >= len(decoding))
+        cache = self.decode_cache.rows(0, bucket)
+        ids = torch.zeros(bucket, 2, dtype=torch.long, device=self.device)
+        positions = torch.zeros(bucket, dtype=torch.long, device=self.device)
+        for req in decoding:
+            ids[req.row] = torch.tensor([req.token, req.draft])
+            positions[req.row] = len(req.prompt) + len(req.out.tokens) - 1
+        checkpoint = cache.draft_checkpoint()
+        routing = self._recorder()
+        logits, hidden = self.model.decode_tokens(ids, positions, cache, routing)
+        next_ids = ids.clone()
+        rejected, accepted = [], []
+        for req in decoding:
+            req.out.mtp_drafted += 1
+            confirmed = int(logits[req.row, 0].argmax()) == req.draft
+            self._emit(req, logits[req.row, 0], 0.0, 1.0)
+            kept = 2 if confirmed and len(req.out.tokens) < req.max_new else 1
+            if routing is not None:
+                req.routing.append(_row(routing, req.row, kept))
+            if kept == 2:
+                req.out.mtp_accepted += 1
+                self._emit(req, logits[req.row, 1], 0.0, 1.0)
+                next_ids[req.row] = torch.tensor([req.draft, req.token])
+                accepted.append(req)
+            else:
+                next_ids[req.row, 0] = req.token
+                rejected.append(req)
+        if rejected:  # the draft's position must not stay in the compressor state
+            rows = torch.tensor([r.row for r in rejected], device=self.device)
+            cache.rollback_draft(checkpoint, rows, positions[rows] + 1)
+        drafts = self.model.mtp_step(hidden, next_ids, cache, positions=positions)
+        for req in accepted:
+            req.draft = self._pick_draft(req, drafts[req.row, 1])
+        for req in rejected:
+            req.draft = self._pick_draft(req, drafts[req.row, 0])
+        keep = [r for r in decoding if not self._finished(r)]
+        for row, req in enumerate(keep):
+            if req.row != row:
+                self.decode_cache.copy_row(row, self.decode_cache, req.row)
+                req.row = row
+        decoding[:] = keep
+
+    def _pick_draft(self, req: _Request, mtp_logits: torch.Tensor) -> int:
+        """The draft for the token after ``req.token``: the MTP block's greedy choice."""
+        return int(mtp_logits.argmax())
 
     def _emit(self, req: _Request, logits: torch.Tensor, temperature: float, top_p: float) -> None:
         token, logprob = sample(logits, temperature, top_p, req.generator)
@@ -191,10 +292,50 @@ class Engine:
         req.out.logprobs.append(logprob)
 
     def _finished(self, req: _Request) -> bool:
-        if len(req.out.tokens) >= req.max_new:
-            req.out.finish_reason = "length"
-            return True
-        return False
+        if len(req.out.tokens) < req.max_new:
+            return False
+        req.out.finish_reason = "length"
+        if req.routing:
+            req.out.routing = _concat(req.routing, len(req.prompt) + len(req.out.tokens) - 1)
+            req.routing = []
+        return True
+
+    def _recorder(self) -> Routing | None:
+        return Routing.recorder(self.config) if self.recording else None
+
+
+def _row(routing: Routing, row: int, tokens: int) -> Routing:
+    """One batch row's first ``tokens`` choices, the indexer's padded to the model's top-k with -1."""
+    def pad(chosen: torch.Tensor | None, width: int) -> torch.Tensor | None:
+        if chosen is None:
+            return None
+        part = chosen[row : row + 1, :tokens]
+        return torch.nn.functional.pad(part, (0, width - part.shape[-1]), value=-1)
+
+    k = routing_topk(routing)
+    return Routing([e[row : row + 1, :tokens] if e is not None else None for e in routing.experts],
+                   [pad(c, k) for c in routing.indexer])
+
+
+def routing_topk(routing: Routing) -> int:
+    """The widest indexer choice in a record (the model's top-k once enough entries exist)."""
+    return max((c.shape[-1] for c in routing.indexer if c is not None), default=0)
+
+
+def _concat(parts: list[Routing], tokens: int) -> Routing:
+    """One request's record over ``tokens`` fed tokens from per-step pieces (indexer widths padded to match)."""
+    width = max(routing_topk(p) for p in parts)
+    layers = len(parts[0].experts)
+    experts = [torch.cat([p.experts[i] for p in parts], dim=1)[:, :tokens] for i in range(layers)]
+    indexer: list[torch.Tensor | None] = []
+    for i in range(layers):
+        pieces = [p.indexer[i] for p in parts]
+        if pieces[0] is None:
+            indexer.append(None)
+            continue
+        padded = [torch.nn.functional.pad(c, (0, width - c.shape[-1]), value=-1) for c in pieces if c is not None]
+        indexer.append(torch.cat(padded, dim=1)[:, :tokens])
+    return Routing(experts, indexer)
 
 
 def default_chunk(config: object) -> int:

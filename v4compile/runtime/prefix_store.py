@@ -7,8 +7,9 @@ deepest chunk boundary is computed. Pools and their bytes:
 - ``window``: one token's window KV in every layer (bf16), kept only as tails of ``window`` tokens;
 - ``c4`` / ``c4_index``: one C4 entry / indexer key in every C4 layer; ``c128``: one C128 entry in every
   C128 layer;
-- ``state``: one snapshot of every C4 compressor's state (fp32). Boundaries are multiples of 128, where
-  C128 compressors hold no open block, so they need none.
+- ``state``: one snapshot of every C4 compressor's state (fp32): at a boundary (a multiple of 128) no block
+  is open, and the next entry reads only the left half of the previous block's rows, so that is all a
+  snapshot keeps; C128 compressors hold nothing there.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class PrefixStore:
         self.c128 = [i for i, r in enumerate(ratios) if r == 128]
         d, di, n = config.head_dim, config.index_head_dim, len(ratios)
         sizes = {"window": n * d * 2, "c4": len(self.c4) * d * 2, "c4_index": len(self.c4) * di * 2,
-                 "c128": len(self.c128) * d * 2, "state": len(self.c4) * 4 * 8 * (2 * d + 2 * di)}
+                 "c128": len(self.c128) * d * 2, "state": len(self.c4) * 4 * 4 * 2 * (d + di)}
         tail_bytes = self.window * sizes["window"] + sizes["state"]
         tails = max(1, int(budget * TAIL_SHARE) // tail_bytes)
         per_token = sizes["c4"] / 4 + sizes["c4_index"] / 4 + sizes["c128"] / 128
@@ -64,8 +65,8 @@ class PrefixStore:
         self.c4_entries = store(len(self.c4), capacity["c4"], d)
         self.c4_keys = store(len(self.c4), capacity["c4_index"], di)
         self.c128_entries = store(len(self.c128), capacity["c128"], d)
-        shape = (len(self.c4), capacity["state"], 8)
-        self.states = {name: torch.zeros(*shape, 2 * w, dtype=torch.float32, device=device)
+        shape = (len(self.c4), capacity["state"], 4)
+        self.states = {name: torch.zeros(*shape, w, dtype=torch.float32, device=device)
                        for name, w in (("kv", d), ("score", d), ("index_kv", di), ("index_score", di))}
 
     # ------------------------------------------------------------------ copy in
@@ -89,11 +90,10 @@ class PrefixStore:
         for i, layer in enumerate(layers):
             layer.window[0, ring] = self.window_kv[i, tail]
         for j, i in enumerate(self.c4):
-            main, index = layers[i].compressor, layers[i].indexer
-            main.kv_state[0] = self.states["kv"][j, node.state]
-            main.score_state[0] = self.states["score"][j, node.state]
-            index.kv_state[0] = self.states["index_kv"][j, node.state]
-            index.score_state[0] = self.states["index_score"][j, node.state]
+            for prefix, state in (("", layers[i].compressor), ("index_", layers[i].indexer)):
+                w = state.kv_state.shape[-1] // 2
+                state.kv_state[0, :4, :w] = self.states[prefix + "kv"][j, node.state]
+                state.score_state[0, :4, :w] = self.states[prefix + "score"][j, node.state]
         return Hit(end, match.recompute_tokens)
 
     # ------------------------------------------------------------------ copy out
@@ -155,10 +155,10 @@ class PrefixStore:
         for i, layer in enumerate(layers):
             self.window_kv[i, slots] = layer.window[0, ring]
         for j, i in enumerate(self.c4):
-            main, index = layers[i].compressor, layers[i].indexer
-            self.states["kv"][j, state], self.states["score"][j, state] = main.kv_state[0], main.score_state[0]
-            self.states["index_kv"][j, state] = index.kv_state[0]
-            self.states["index_score"][j, state] = index.score_state[0]
+            for prefix, cached in (("", layers[i].compressor), ("index_", layers[i].indexer)):
+                w = cached.kv_state.shape[-1] // 2
+                self.states[prefix + "kv"][j, state] = cached.kv_state[0, :4, :w]
+                self.states[prefix + "score"][j, state] = cached.score_state[0, :4, :w]
 
     def stats(self) -> dict[str, object]:
         """Tree statistics and, per pool, capacity, use and bytes."""

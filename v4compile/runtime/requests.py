@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..model.routing import Routing
+
 
 class RequestError(ValueError):
     """A request the engine cannot serve (the message names what is wrong); other requests go on."""
@@ -26,7 +28,8 @@ class CacheStats:
 @dataclass
 class RequestOutput:
     """Generated token ids and their log-probabilities (under the model's untempered distribution), the
-    reason generation stopped, prefix-cache statistics, or the error that rejected the request."""
+    reason generation stopped, prefix-cache statistics, MTP draft counts, the recorded routing, or the
+    error that rejected the request."""
 
     index: int
     tokens: list[int] = field(default_factory=list)
@@ -36,3 +39,6 @@ class RequestOutput:
     error: str | None = None
     mtp_drafted: int = 0
     mtp_accepted: int = 0
+    routing: Routing | None = None
+    """With ``record_routing``: every layer's experts and indexer entries for the fed tokens (prompt and
+    output but its last token), ready for ``model(ids, routing=output.routing.for_replay())``."""
