@@ -97,6 +97,7 @@ class _BaselineCache:
         self.prefixes: set[tuple[int, ...]] = set()
 
     def serve(self, prompt: list[int]) -> int:
+        """Tokens of ``prompt`` this cache would restore; then caches the prompt's aligned prefixes."""
         limit = (len(prompt) - 1) // self.chunk * self.chunk
         hit = 0
         for end in range(self.chunk, limit + 1, self.chunk):
