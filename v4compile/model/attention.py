@@ -212,8 +212,7 @@ class Attention(nn.Module):
         index = torch.cat((ring_index, own), dim=-1)
         keys = torch.cat((cache.window[:bsz], kv), dim=1)
         if self.ratio:
-            for j in range(seqlen):
-                self.compressor.forward_decode(x[:, j : j + 1], pos[:, j], self.freqs, cache.compressor)
+            self.compressor.forward_decode(x, positions, self.freqs, cache.compressor)
             entries = cache.compressor.entries[:bsz]
             if self.indexer is not None:
                 chosen = self.indexer.forward_decode(x, qr, positions, cos, sin, self.freqs, cache.indexer,

@@ -132,7 +132,17 @@ class Compressor(nn.Module):
     def forward_decode(
         self, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, cache: CompressorCache
     ) -> None:
-        """Adds one token per row at ``positions`` [B] to the state; rows that close a block emit an entry."""
+        """Adds S consecutive tokens per row (x [B, S, D], usually S = 1) from ``positions`` [B] to the state,
+        one at a time; a token that closes a block emits its entry."""
+        if x.shape[1] == 1:
+            self._decode_token(x, positions, freqs, cache)
+            return
+        for j in range(x.shape[1]):
+            self._decode_token(x[:, j : j + 1], positions + j, freqs, cache)
+
+    def _decode_token(
+        self, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, cache: CompressorCache
+    ) -> None:
         bsz = x.shape[0]
         ratio, w = self.ratio, self.width
         rows = torch.arange(bsz, device=x.device)

@@ -88,8 +88,7 @@ class Indexer(nn.Module):
         """Selected entry ids [B, S, k] for S consecutive tokens per row from ``positions`` [B] (usually S = 1)."""
         bsz, seqlen = x.shape[:2]
         pos = positions.unsqueeze(-1) + torch.arange(seqlen, device=x.device)
-        for j in range(seqlen):
-            self.compressor.forward_decode(x[:, j : j + 1], pos[:, j], freqs, cache)
+        self.compressor.forward_decode(x, positions, freqs, cache)
         keys = cache.entries[:bsz]
         q = self.queries(qr, cos, sin)
         scores = self.scores(x, q, keys)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .block import Block
-from .cache import V4Cache
+from .cache import LayerCache, V4Cache
 from .config import V4Config
 from .linear import Linear
 from .mhc import hc_head
@@ -105,9 +105,16 @@ class DeepSeekV4(nn.Module):
         self._check_length(input_ids.shape[1], cache)
         if cache is not None:
             self._check_cache(cache, input_ids.shape[0])
+        return self._run_layers(input_ids, cache, routing)
+
+    def _run_layers(self, input_ids: torch.Tensor, cache: V4Cache | None, routing: Routing | None,
+                    positions: torch.Tensor | None = None, start: int | None = None) -> torch.Tensor:
+        """The main layers over the embedded ids: a full sequence, a chunk from ``start`` or decode at
+        ``positions`` (see ``Block.forward``)."""
         x = self.embed(input_ids).unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, input_ids, cache.layers[i] if cache is not None else None, routing=routing, layer=i)
+            x = layer(x, input_ids, cache.layers[i] if cache is not None else None, positions=positions, start=start,
+                      routing=routing, layer=i)
         return x
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
@@ -132,10 +139,7 @@ class DeepSeekV4(nn.Module):
         if start < 0 or start + input_ids.shape[1] > cache.max_seq_len:
             raise InputError(f"chunk at positions {start}..{start + input_ids.shape[1] - 1} does not fit the "
                              f"cache's maximum length {cache.max_seq_len} (max_seq_len)")
-        x = self.embed(input_ids).unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, input_ids, cache.layers[i], start=start, routing=routing, layer=i)
-        return x
+        return self._run_layers(input_ids, cache, routing, start=start)
 
     def extend(self, input_ids: torch.Tensor, start: int, cache: V4Cache,
                routing: Routing | None = None) -> torch.Tensor:
@@ -145,37 +149,31 @@ class DeepSeekV4(nn.Module):
     def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: V4Cache,
                     routing: Routing | None = None) -> torch.Tensor:
         """Logits [B, 1, vocab] for one new token per row at ``positions`` [B], reading and updating ``cache``."""
-        self._check_ids(input_ids)
-        self._check_routing(routing, input_ids)
-        self._check_cache(cache, input_ids.shape[0])
-        if input_ids.shape[1] != 1:
-            raise InputError(f"decode_step takes one token per row, got input_ids of shape {tuple(input_ids.shape)}")
-        if positions.shape != (input_ids.shape[0],):
-            raise InputError(f"positions must have shape [{input_ids.shape[0]}], got {tuple(positions.shape)}")
-        if not torch.compiler.is_compiling() and int(positions.max()) >= cache.max_seq_len:
-            raise InputError(f"position {int(positions.max())} is beyond the cache's maximum length "
-                             f"{cache.max_seq_len} (max_seq_len)")
-        x = self.embed(input_ids).unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, input_ids, cache.layers[i], positions, routing=routing, layer=i)
-        return self.logits(x)
+        self._check_decode(input_ids, positions, cache, routing, one_token=True)
+        return self.logits(self._run_layers(input_ids, cache, routing, positions=positions))
 
     def decode_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       cache: V4Cache, routing: Routing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, S, vocab] and final streams [B, S, n, D] of S consecutive tokens per row starting at
         ``positions`` [B] (speculative verification: the current token and its drafts); updates ``cache``."""
+        self._check_decode(input_ids, positions, cache, routing, one_token=False)
+        x = self._run_layers(input_ids, cache, routing, positions=positions)
+        return self.logits(x), x
+
+    def _check_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: V4Cache,
+                      routing: Routing | None, one_token: bool) -> None:
         self._check_ids(input_ids)
+        self._check_routing(routing, input_ids)
         self._check_cache(cache, input_ids.shape[0])
+        if one_token and input_ids.shape[1] != 1:
+            raise InputError(f"decode_step takes one token per row, got input_ids of shape {tuple(input_ids.shape)}")
         if positions.shape != (input_ids.shape[0],):
             raise InputError(f"positions must have shape [{input_ids.shape[0]}], got {tuple(positions.shape)}")
-        if not torch.compiler.is_compiling() and int(positions.max()) + input_ids.shape[1] > cache.max_seq_len:
-            raise InputError(f"positions up to {int(positions.max()) + input_ids.shape[1] - 1} are beyond the "
-                             f"cache's maximum length {cache.max_seq_len} (max_seq_len)")
-        self._check_routing(routing, input_ids)
-        x = self.embed(input_ids).unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, input_ids, cache.layers[i], positions, routing=routing, layer=i)
-        return self.logits(x), x
+        if not torch.compiler.is_compiling():
+            last = int(positions.max()) + input_ids.shape[1] - 1
+            if last >= cache.max_seq_len:
+                raise InputError(f"position {last} is beyond the cache's maximum length {cache.max_seq_len} "
+                                 "(max_seq_len)")
 
     def mtp_step(self, hidden: torch.Tensor, next_ids: torch.Tensor, cache: V4Cache, *,
                  positions: torch.Tensor | None = None, start: int | None = None, k: int = 0) -> torch.Tensor:
@@ -184,11 +182,19 @@ class DeepSeekV4(nn.Module):
         them). ``positions`` [B]: S tokens per row from there (decoding); ``start``: a chunk from that position
         for every row (after a prefill). Updates the block's window ring in ``cache.mtp[k]``."""
         self._check_ids(next_ids, "next_ids")
+        self._check_mtp_block(k)
+        return self._mtp(hidden, next_ids, k, cache.mtp[k], positions=positions, start=start)
+
+    def _check_mtp_block(self, k: int) -> None:
         if not 0 <= k < len(self.mtp):
             raise InputError(f"MTP block {k} does not exist; the model has {len(self.mtp)}")
+
+    def _mtp(self, hidden: torch.Tensor, next_ids: torch.Tensor, k: int, cache: LayerCache | None,
+             positions: torch.Tensor | None = None, start: int | None = None) -> torch.Tensor:
+        """MTP block ``k`` on main-model streams and the ids that followed them, with or without its cache."""
         block = self.mtp[k]
         x = block.streams(self.embed(next_ids), hidden.to(torch.bfloat16))
-        x = block(x, next_ids, cache.mtp[k], positions=positions, start=start)
+        x = block(x, next_ids, cache, positions=positions, start=start)
         h = hc_head(x, block.hc_head_fn, block.hc_head_scale, block.hc_head_base, self.config.hc_eps,
                     self.config.norm_eps)
         return self.head(block.norm(h))
@@ -196,17 +202,11 @@ class DeepSeekV4(nn.Module):
     def mtp_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor, k: int = 0) -> torch.Tensor:
         """Logits [B, S, vocab] of MTP block ``k`` from main-model streams ``hidden`` [B, S, n, D] and ``input_ids``."""
         self._check_ids(input_ids)
-        if not 0 <= k < len(self.mtp):
-            raise InputError(f"MTP block {k} does not exist; the model has {len(self.mtp)}")
+        self._check_mtp_block(k)
         want = (*input_ids.shape, self.config.hc_mult, self.config.dim)
         if tuple(hidden.shape) != want:
             raise InputError(f"hidden must have shape {want} to match input_ids, got {tuple(hidden.shape)}")
-        block = self.mtp[k]
-        x = block.streams(self.embed(input_ids), hidden.to(torch.bfloat16))
-        x = block(x, input_ids)
-        h = hc_head(x, block.hc_head_fn, block.hc_head_scale, block.hc_head_base, self.config.hc_eps,
-                    self.config.norm_eps)
-        return self.head(block.norm(h))
+        return self._mtp(hidden, input_ids, k, None)
 
 
 def _describe(x: object) -> str:

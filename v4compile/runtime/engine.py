@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.cache import V4Cache
+from ..model.config import V4Config
 from ..model.routing import Routing
 from .prefix_store import PrefixStore
 from .requests import RequestError, RequestOutput
@@ -215,37 +216,42 @@ class Engine:
             req.draft, req.hidden = self._pick_draft(req, draft_logits[0, -1]), None
         return True
 
-    def _decode_step(self, decoding: list[_Request], temperature: float, top_p: float) -> None:
+    def _step_inputs(self, decoding: list[_Request], speculative: bool
+                     ) -> tuple[V4Cache, torch.Tensor, torch.Tensor]:
+        """The smallest decode bucket holding every row, each row's tokens (current, and its draft when
+        ``speculative``; padding rows get token 0 at position 0) and the current token's position."""
         bucket = next(b for b in self.buckets if b >= len(decoding))
-        ids = torch.zeros(bucket, 1, dtype=torch.long, device=self.device)
+        ids = torch.zeros(bucket, 2 if speculative else 1, dtype=torch.long, device=self.device)
         positions = torch.zeros(bucket, dtype=torch.long, device=self.device)
         for req in decoding:
-            ids[req.row, 0] = req.token
+            ids[req.row] = torch.tensor([req.token, req.draft] if speculative else [req.token])
             positions[req.row] = len(req.prompt) + len(req.out.tokens) - 1
-        routing = self._recorder()
-        logits = self.model.decode_step(ids, positions, self.decode_cache.rows(0, bucket), routing)
-        for req in decoding:
-            self._emit(req, logits[req.row, 0], temperature, top_p)
-            if routing is not None:
-                req.routing.append(_row(routing, req.row, 1))
+        return self.decode_cache.rows(0, bucket), ids, positions
+
+    def _compact(self, decoding: list[_Request]) -> None:
+        """Drops finished requests; rows stay dense, later rows moving down over finished ones."""
         keep = [r for r in decoding if not self._finished(r)]
-        for row, req in enumerate(keep):  # rows stay dense: later rows move down over finished ones
+        for row, req in enumerate(keep):
             if req.row != row:
                 self.decode_cache.copy_row(row, self.decode_cache, req.row)
                 req.row = row
         decoding[:] = keep
 
+    def _decode_step(self, decoding: list[_Request], temperature: float, top_p: float) -> None:
+        cache, ids, positions = self._step_inputs(decoding, speculative=False)
+        routing = self._recorder()
+        logits = self.model.decode_step(ids, positions, cache, routing)
+        for req in decoding:
+            self._emit(req, logits[req.row, 0], temperature, top_p)
+            if routing is not None:
+                req.routing.append(_row(routing, req.row, 1))
+        self._compact(decoding)
+
     def _speculative_step(self, decoding: list[_Request]) -> None:
         """Verifies every row's current token and draft in one step; a row whose draft the main model
         confirms keeps both tokens plus the token after, others roll their compressor state back; the MTP
         block then drafts again from the new streams."""
-        bucket = next(b for b in self.buckets if b >= len(decoding))
-        cache = self.decode_cache.rows(0, bucket)
-        ids = torch.zeros(bucket, 2, dtype=torch.long, device=self.device)
-        positions = torch.zeros(bucket, dtype=torch.long, device=self.device)
-        for req in decoding:
-            ids[req.row] = torch.tensor([req.token, req.draft])
-            positions[req.row] = len(req.prompt) + len(req.out.tokens) - 1
+        cache, ids, positions = self._step_inputs(decoding, speculative=True)
         checkpoint = cache.draft_checkpoint()
         routing = self._recorder()
         logits, hidden = self.model.decode_tokens(ids, positions, cache, routing)
@@ -274,12 +280,7 @@ class Engine:
             req.draft = self._pick_draft(req, drafts[req.row, 1])
         for req in rejected:
             req.draft = self._pick_draft(req, drafts[req.row, 0])
-        keep = [r for r in decoding if not self._finished(r)]
-        for row, req in enumerate(keep):
-            if req.row != row:
-                self.decode_cache.copy_row(row, self.decode_cache, req.row)
-                req.row = row
-        decoding[:] = keep
+        self._compact(decoding)
 
     def _pick_draft(self, req: _Request, mtp_logits: torch.Tensor) -> int:
         """The draft for the token after ``req.token``: the MTP block's greedy choice."""
@@ -305,44 +306,26 @@ class Engine:
 
 
 def _row(routing: Routing, row: int, tokens: int) -> Routing:
-    """One batch row's first ``tokens`` choices, the indexer's padded to the model's top-k with -1."""
-    def pad(chosen: torch.Tensor | None, width: int) -> torch.Tensor | None:
-        if chosen is None:
-            return None
-        part = chosen[row : row + 1, :tokens]
-        return torch.nn.functional.pad(part, (0, width - part.shape[-1]), value=-1)
-
-    k = routing_topk(routing)
-    return Routing([e[row : row + 1, :tokens] if e is not None else None for e in routing.experts],
-                   [pad(c, k) for c in routing.indexer])
-
-
-def routing_topk(routing: Routing) -> int:
-    """The widest indexer choice in a record (the model's top-k once enough entries exist)."""
-    return max((c.shape[-1] for c in routing.indexer if c is not None), default=0)
+    """One batch row's choices for its first ``tokens`` tokens."""
+    return Routing([None if e is None else e[row : row + 1, :tokens] for e in routing.experts],
+                   [None if c is None else c[row : row + 1, :tokens] for c in routing.indexer])
 
 
 def _concat(parts: list[Routing], tokens: int) -> Routing:
-    """One request's record over ``tokens`` fed tokens from per-step pieces (indexer widths padded to match)."""
-    width = max(routing_topk(p) for p in parts)
-    layers = len(parts[0].experts)
-    experts = [torch.cat([p.experts[i] for p in parts], dim=1)[:, :tokens] for i in range(layers)]
-    indexer: list[torch.Tensor | None] = []
-    for i in range(layers):
-        pieces = [p.indexer[i] for p in parts]
-        if pieces[0] is None:
-            indexer.append(None)
-            continue
-        padded = [torch.nn.functional.pad(c, (0, width - c.shape[-1]), value=-1) for c in pieces if c is not None]
-        indexer.append(torch.cat(padded, dim=1)[:, :tokens])
+    """One request's record over ``tokens`` fed tokens from per-step pieces; the indexer's choices are
+    padded with -1 (masked) to the widest piece, as early pieces see fewer entries than the top-k."""
+    width = max((c.shape[-1] for p in parts for c in p.indexer if c is not None), default=0)
+    experts = [torch.cat([p.experts[i] for p in parts], dim=1)[:, :tokens] for i in range(len(parts[0].experts))]
+    indexer = [None if parts[0].indexer[i] is None else
+               torch.cat([torch.nn.functional.pad(p.indexer[i], (0, width - p.indexer[i].shape[-1]), value=-1)
+                          for p in parts], dim=1)[:, :tokens] for i in range(len(parts[0].indexer))]
     return Routing(experts, indexer)
 
 
-def default_chunk(config: object) -> int:
+def default_chunk(config: V4Config) -> int:
     """The prefix-cache granule: 128 tokens (a C128 block, 32 C4 blocks), or the window if larger, rounded
     up to a multiple of 128."""
-    window = getattr(config, "window_size", 128)
-    return max(128, -(-window // 128) * 128)
+    return max(128, -(-config.window_size // 128) * 128)
 
 
 def _powers_of_two(limit: int) -> tuple[int, ...]:

@@ -77,16 +77,13 @@ class PrefixStore:
         if end == 0:
             return Hit(0, match.recompute_tokens)
         layers = cache.layers
+        slots = {name: self._ids(self.tree.prefix_slots(node, name)) for name in ("c4", "c4_index", "c128")}
         for j, i in enumerate(self.c4):
-            slots = torch.tensor(self.tree.prefix_slots(node, "c4"), device=self.c4_entries.device)
-            layers[i].compressor.entries[0, : end // 4] = self.c4_entries[j, slots]
-            keys = torch.tensor(self.tree.prefix_slots(node, "c4_index"), device=self.c4_keys.device)
-            layers[i].indexer.entries[0, : end // 4] = self.c4_keys[j, keys]
+            layers[i].compressor.entries[0, : end // 4] = self.c4_entries[j, slots["c4"]]
+            layers[i].indexer.entries[0, : end // 4] = self.c4_keys[j, slots["c4_index"]]
         for j, i in enumerate(self.c128):
-            slots = torch.tensor(self.tree.prefix_slots(node, "c128"), device=self.c128_entries.device)
-            layers[i].compressor.entries[0, : end // 128] = self.c128_entries[j, slots]
-        tail = torch.tensor(node.window_tail, device=self.window_kv.device)
-        ring = torch.arange(end - self.window, end, device=self.window_kv.device) % self.window
+            layers[i].compressor.entries[0, : end // 128] = self.c128_entries[j, slots["c128"]]
+        tail, ring = self._ids(node.window_tail), self._ring(end)
         for i, layer in enumerate(layers):
             layer.window[0, ring] = self.window_kv[i, tail]
         for j, i in enumerate(self.c4):
@@ -140,18 +137,16 @@ class PrefixStore:
 
     def _copy_entries(self, cache: V4Cache, known: int, end: int, fresh: dict[str, list[int]]) -> None:
         layers = cache.layers
+        slots = {name: self._ids(ids) for name, ids in fresh.items()}
         for j, i in enumerate(self.c4):
-            slots = torch.tensor(fresh["c4"], device=self.c4_entries.device, dtype=torch.long)
-            self.c4_entries[j, slots] = layers[i].compressor.entries[0, known // 4 : end // 4]
-            self.c4_keys[j, slots.new_tensor(fresh["c4_index"])] = layers[i].indexer.entries[0, known // 4 : end // 4]
+            self.c4_entries[j, slots["c4"]] = layers[i].compressor.entries[0, known // 4 : end // 4]
+            self.c4_keys[j, slots["c4_index"]] = layers[i].indexer.entries[0, known // 4 : end // 4]
         for j, i in enumerate(self.c128):
-            slots = torch.tensor(fresh["c128"], device=self.c128_entries.device, dtype=torch.long)
-            self.c128_entries[j, slots] = layers[i].compressor.entries[0, known // 128 : end // 128]
+            self.c128_entries[j, slots["c128"]] = layers[i].compressor.entries[0, known // 128 : end // 128]
 
     def _copy_tail(self, cache: V4Cache, end: int, window: list[int], state: int) -> None:
         layers = cache.layers
-        slots = torch.tensor(window, device=self.window_kv.device)
-        ring = torch.arange(end - self.window, end, device=self.window_kv.device) % self.window
+        slots, ring = self._ids(window), self._ring(end)
         for i, layer in enumerate(layers):
             self.window_kv[i, slots] = layer.window[0, ring]
         for j, i in enumerate(self.c4):
@@ -159,6 +154,13 @@ class PrefixStore:
                 w = cached.kv_state.shape[-1] // 2
                 self.states[prefix + "kv"][j, state] = cached.kv_state[0, :4, :w]
                 self.states[prefix + "score"][j, state] = cached.score_state[0, :4, :w]
+
+    def _ids(self, slots: list[int]) -> torch.Tensor:
+        return torch.tensor(slots, dtype=torch.long, device=self.window_kv.device)
+
+    def _ring(self, end: int) -> torch.Tensor:
+        """Ring slots of the window tail ending at ``end`` (tokens end - window .. end - 1)."""
+        return torch.arange(end - self.window, end, device=self.window_kv.device) % self.window
 
     def stats(self) -> dict[str, object]:
         """Tree statistics and, per pool, capacity, use and bytes."""
