@@ -3,7 +3,7 @@ code under plain torch.compile, the floor (bytes moved / measured copy bandwidth
 
 Run on the GPU machine from the repository root:
 
-    PYTHONPATH=. python3 benchmarks/kernels.py [--out results.json] [--quick]
+    PYTHONPATH=. python3 benchmarks/kernels.py [--out results.json] [--quick] [--only mhc topk ...]
 
 It measures the ceilings (device copy bandwidth, bf16 matmul rate) itself at start, checks every kernel
 against the reference on fresh random inputs before timing it, and prints the table last. Every time is
@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
 from v4compile.codegen import ops, reference
+from v4compile.model.mhc import hc_post, hc_pre
 
 
 @dataclass
@@ -248,22 +250,71 @@ def _config(prefix: str) -> str:
     return ", ".join(f"{k}={v}" for k, v in launch.items() if k.isupper() or k == "num_warps")
 
 
+def mhc_row(ceil: dict[str, float], quick: bool, batch: int, dim: int = 4096, n: int = 4, iters: int = 20) -> Row:
+    """mHC pre + post of one sub-layer at decode, V4-Flash dims: ``batch`` rows of n bf16 streams x dim, fn
+    [(2+n)n, n*dim] fp32. Ours is mhc_pre then mhc_post; eager and torch.compile run the model's hc_pre then
+    hc_post. The floor's bytes: fn once, the streams read by both steps, y written, the sub-layer output read,
+    the new streams written."""
+    x = torch.randn(batch, n, dim, device="cuda").bfloat16()
+    fn = torch.randn((2 + n) * n, n * dim, device="cuda") / math.sqrt(n * dim) * 4
+    scale = torch.rand(3, device="cuda") + 0.5
+    base = torch.randn((2 + n) * n, device="cuda")
+    sub = torch.randn(batch, dim, device="cuda").bfloat16()
+
+    def model_code(x: torch.Tensor, sub: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, post, comb = hc_pre(x, fn, scale, base, iters, 1e-6, 1e-6)
+        return y, hc_post(sub, x, post, comb)
+
+    def pre() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return ops.mhc_pre(x, fn, scale, base, iters, 1e-6, 1e-6, "triton")
+
+    mixed = pre()
+
+    def ours() -> tuple[torch.Tensor, torch.Tensor]:
+        y, post, comb = pre()
+        return y, ops.mhc_post(sub, x, post, comb, "triton")
+
+    for got, want, what in zip(ours(), model_code(x, sub), ("mHC pre y", "mHC post"), strict=True):
+        _check(got, want, what, tol=1e-2)
+    _ran(f"mhc_pre.n{n}.d{dim}.triton")
+    _ran(f"mhc_post.n{n}.d{dim}.triton")
+    compiled = _compiled(model_code)
+    compiled(x, sub)
+    moved = fn.nbytes + 3 * x.nbytes + 2 * sub.nbytes + batch * (n + n * n) * 4 * 2
+    pre_us = bench(graphed(pre), quick)
+    post_us = bench(graphed(lambda: ops.mhc_post(sub, x, mixed[1], mixed[2], "triton")), quick)
+    return Row("mHC pre+post (decode, CUDA graph)", f"batch {batch}, n {n} x D {dim}, {iters} iters",
+               bench(graphed(ours), quick), bench(graphed(lambda: model_code(x, sub)), quick),
+               bench(graphed(lambda: compiled(x, sub)), quick), 1e6 * moved / ceil["copy_bytes_per_s"], moved,
+               note=f"pre {pre_us:.1f} us ({_config('mhc_pre.')}), post {post_us:.1f} us ({_config('mhc_post.')}); "
+                    f"in a 20-call graph {in_graph_us(ours, quick):.1f} us/call; host call {bench(ours, quick):.1f} us")
+
+
+SECTIONS: dict[str, Callable[[dict[str, float], bool], list[Row]]] = {
+    "compressor": lambda c, q: [compressor_prefill_row(c, q, ratio) for ratio in (4, 128)]
+    + [compressor_decode_row(c, q, batch) for batch in (1, 16, 64, 256)],
+    "topk": lambda c, q: [topk_row(c, q, batch, k) for batch, k in ((1, 512), (64, 512), (1, 1024), (256, 512))]
+    + [topk_row(c, q, 1, 2048, n=1 << 20), topk_row(c, q, 1, 512, ties=True)],
+    "attention": lambda c, q: [sparse_attention_row(c, q, batch) for batch in (1, 16, 64, 128)],
+    "indexer": lambda c, q: [indexer_scores_row(c, q, batch) for batch in (1, 16, 64)],
+    "mhc": lambda c, q: [mhc_row(c, q, batch) for batch in (1, 4, 16, 64)],
+}
+"""The benchmark sections in table order; ``--only`` runs some of them."""
+
+
 def main() -> None:
-    """Runs every benchmark and prints the table."""
+    """Runs the chosen benchmark sections (all by default) and prints the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the rows and ceilings as JSON here")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run only these sections")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
     ceil = ceilings(args.quick)
-    rows = [compressor_prefill_row(ceil, args.quick, ratio) for ratio in (4, 128)]
-    rows += [compressor_decode_row(ceil, args.quick, batch) for batch in (1, 16, 64, 256)]
-    rows += [topk_row(ceil, args.quick, batch, k) for batch, k in ((1, 512), (64, 512), (1, 1024), (256, 512))]
-    rows += [topk_row(ceil, args.quick, 1, 2048, n=1 << 20), topk_row(ceil, args.quick, 1, 512, ties=True)]
-    rows += [sparse_attention_row(ceil, args.quick, batch) for batch in (1, 16, 64, 128)]
-    rows += [indexer_scores_row(ceil, args.quick, batch) for batch in (1, 16, 64)]
+    rows = [row for name, section in SECTIONS.items() if name in (args.only or SECTIONS)
+            for row in section(ceil, args.quick)]
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": ceil,

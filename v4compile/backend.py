@@ -20,6 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .passes import build_passes
 from .passes.manager import PassManager
+from .passes.stream_schedule import scheduled
 
 
 def to_aten(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
@@ -47,7 +48,12 @@ def make_backend(manager: PassManager, inductor: bool = True,
         if captured is not None:
             captured.append(_copy(aten_gm))
         rewritten, _ = manager.run(aten_gm)
-        if not inductor or manager.check:
+        if manager.check:
+            return rewritten
+        streamed = scheduled(rewritten, example_inputs, inductor)
+        if streamed is not None:
+            return streamed
+        if not inductor:
             return rewritten
         from torch._inductor.compile_fx import compile_fx
 

@@ -53,11 +53,12 @@ def _passes(args: argparse.Namespace) -> int:
     from .passes import PASS_ORDER
 
     table = Table(title="v4compile passes, in pipeline order")
-    for col in ("#", "pass", "what it does", "what it matches", "options"):
+    for col in ("#", "pass", "what it does", "what it matches", "options", "tolerance"):
         table.add_column(col, overflow="fold")
     for i, cls in enumerate(PASS_ORDER, start=1):
         options = "\n".join(f"{k}: {v}" for k, v in cls.option_help.items()) or "-"
-        table.add_row(str(i), cls.name, cls.summary, cls.matches, options)
+        name = cls.name if cls.on_by_default else f"{cls.name} (opt-in)"
+        table.add_row(str(i), name, cls.summary, cls.matches, options, f"{cls.tolerance:g}")
     console.print(table)
     return 0
 
@@ -93,6 +94,55 @@ def _explain(args: argparse.Namespace) -> int:
             console.print(misses)
     if not any(r.matches for r in reports):
         console.print("[yellow]no pass matched: this model runs on Inductor alone[/yellow]")
+    return 0
+
+
+def _schedule_plans(args: argparse.Namespace) -> list[tuple[str, object]]:
+    """Compiles the chosen entry points (no Inductor) and returns each graph's stream schedule."""
+    from .debugging import run_entries, sample_ids
+    from .optimize import optimize
+
+    model = _model(args)
+    options = {"stream_schedule": {"target": args.target, "min_branch_us": args.min_branch_us}}
+    optimized = optimize(model, backend=args.backend, inductor=False, options=options)
+    with _progress("capturing and planning the streams"):
+        run_entries(optimized, sample_ids(model).to(next(model.parameters()).device), _entries(args))
+    plans = next(p for p in optimized.manager.passes if p.name == "stream_schedule").plans
+    return list(zip(_entries(args), plans, strict=False))
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    from .targets import target
+
+    facts = target(args.target)
+    for name, plan in _schedule_plans(args):
+        if args.json:
+            print(json.dumps({"graph": name, **plan.to_dict()}, indent=1))
+            continue
+        serial = sum(s.serial_us for s in plan.sections)
+        overlapped = sum(s.overlapped_us for s in plan.sections)
+        console.rule(f"{name}: target {plan.target} ({facts['streams']} streams), {len(plan.sections)} sections, "
+                     f"{len(plan.segments)} regions; sections est. {serial:.0f} us on one stream -> "
+                     f"{overlapped:.0f} us overlapped")
+        units: dict[str, list] = {}
+        for section in plan.sections:
+            units.setdefault(section.unit, []).append(section)
+        for unit, sections in units.items():
+            table = Table(title=unit, title_justify="left")
+            for col in ("section", "branch", "stream", "nodes", "ops", "bytes", "MFLOP", "est. us"):
+                table.add_column(col, overflow="fold", justify="left" if col in ("section", "branch") else "right")
+            for section in sections:
+                label = (f"#{section.index} fork after {section.fork.name}\n"
+                         f"{section.serial_us:.0f} -> {section.overlapped_us:.0f} us")
+                for i, branch in enumerate(section.branches):
+                    table.add_row(label if i == 0 else "", branch.name + (" (main)" if branch.main else ""),
+                                  f"s{branch.stream}", str(branch.nodes), str(branch.cost.kernels),
+                                  f"{branch.cost.bytes:,}", f"{branch.cost.flops / 1e6:.2f}", f"{branch.cost.us:.1f}")
+            console.print(table)
+            for section in sections:
+                events = "; ".join(f"{e.kind} s{e.recorder} after {e.after} -> s{e.waiter} before {e.before}"
+                                   for e in section.events)
+                console.print(f"  #{section.index} events: {events}", overflow="fold", markup=False)
     return 0
 
 
@@ -270,6 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--no-near-misses", dest="near_misses", action="store_false")
     exp.add_argument("--json", action="store_true", help="print the reports as JSON")
     exp.set_defaults(func=_explain)
+
+    sch = sub.add_parser("schedule", help="the stream schedule per layer: branches, costs, streams, fork/join events")
+    _add_target(sch)
+    sch.set_defaults(func=_schedule, entry="decode")
+    sch.add_argument("--target", default="sm90", help="the target to plan for (v4compile/targets.py; default sm90)")
+    sch.add_argument("--min-branch-us", type=float, default=10.0,
+                     help="estimated microseconds a branch must cost to get a stream (default 10)")
+    sch.add_argument("--json", action="store_true", help="print the plans as JSON")
 
     dump = sub.add_parser("dump", help="write the graphs before and after each pass into a folder")
     _add_target(dump)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .backend import make_backend
@@ -32,6 +33,31 @@ def _never_fall_back_to_eager() -> None:
             setattr(config, key, max(getattr(config, key), limit))
     if hasattr(config, "fail_on_recompile_limit_hit"):
         config.fail_on_recompile_limit_hit = True
+
+
+def check_tensor_parallel(model: nn.Module, tp: int) -> None:
+    """Checks that ``model`` can run at tensor-parallel degree ``tp``: built or loaded for that degree and,
+    above 1, inside an initialised process group of ``tp`` ranks whose rank matches the model's shard.
+    Binds the model's collectives to that group, so the compiled graph names it."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    shard = getattr(model, "tp", None)
+    built = shard.size if shard is not None else 1
+    if built != tp:
+        raise ValueError(f"the model was built for tensor-parallel degree {built} (tp_size) but optimize was asked "
+                         f"for tp={tp}; build or load it with tp_size={tp}, tp_rank=<this rank>")
+    if tp == 1:
+        return
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"optimize(model, tp={tp}) must run inside an initialised process group of {tp} ranks: "
+                           "start it with torchrun and call torch.distributed.init_process_group first")
+    if dist.get_world_size() != tp:
+        raise ValueError(f"optimize(model, tp={tp}) runs in a process group of world size {dist.get_world_size()}; "
+                         f"they must be equal")
+    if shard.rank != dist.get_rank():
+        raise ValueError(f"this process is rank {dist.get_rank()} but the model holds the shard of tp_rank "
+                         f"{shard.rank}")
+    shard.bind()
 
 
 class OptimizedModel:
@@ -77,7 +103,7 @@ class OptimizedModel:
 def optimize(model: nn.Module, *, backend: str = "auto", passes: list[str] | None = None,
              disable: tuple[str, ...] | list[str] = (), debug_dir: str | Path | None = None, check: bool = False,
              fuel: int | None = None, inductor: bool = True, options: dict[str, dict] | None = None,
-             deterministic: bool = False) -> OptimizedModel:
+             deterministic: bool = False, tp: int = 1) -> OptimizedModel:
     """Compiles ``model`` with the v4compile passes and kernels.
 
     ``backend``: "auto" | "triton" | "tilelang" | "reference" (kernel bodies). ``passes``: pass names to
@@ -88,7 +114,11 @@ def optimize(model: nn.Module, *, backend: str = "auto", passes: list[str] | Non
     bitwise-repeatable results (RL training): switches torch to deterministic algorithms for the whole
     process (``torch.use_deterministic_algorithms``) and Inductor to deterministic codegen; the v4compile
     kernels reduce in a fixed order already (the top-k's atomics only pick slots, ranks fix the order).
+    ``tp``: the tensor-parallel degree the model was built or loaded for (``tp_size``); above 1 this must run
+    inside an initialised process group of that many ranks (torchrun; gloo on CPU, NCCL on GPU), and the
+    collectives are captured into each compiled graph.
     """
+    check_tensor_parallel(model, tp)
     if deterministic:
         import torch._inductor.config as inductor_config
 

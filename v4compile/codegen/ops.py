@@ -32,13 +32,16 @@ def _fast_impl(op: str, backend: str) -> Callable[..., Any] | None:
         from .tilelang import IMPLEMENTATIONS as tilelang_impls
 
         return tilelang_impls[op]
-    from .triton import compressor, indexer_scores, radix_topk, sparse_attention
+    from .triton import compressor, indexer_scores, mhc, moe, radix_topk, sparse_attention
 
     return {"compressor_pool": compressor.compressor_pool,
             "indexer_scores": indexer_scores.indexer_scores,
             "compressor_pool_state": compressor.compressor_pool_state,
             "radix_topk": radix_topk.radix_topk,
-            "sparse_attention": sparse_attention.sparse_attention}[op]
+            "sparse_attention": sparse_attention.sparse_attention,
+            "mhc_pre": mhc.mhc_pre,
+            "mhc_post": mhc.mhc_post,
+            "moe_experts": moe.moe_experts}[op]
 
 
 def _run(op: str, backend: str, *args: Any) -> Any:
@@ -51,8 +54,8 @@ def _run(op: str, backend: str, *args: Any) -> Any:
     return with_fallback(f"{op} ({backend})", lambda: fast(*args), lambda: ref(*args))
 
 
-def _reference_grads(op: str, tensors: tuple[torch.Tensor, ...], extra: tuple[Any, ...], grad: torch.Tensor,
-                     trailing: int) -> tuple[torch.Tensor | None, ...]:
+def _reference_grads(op: str, tensors: tuple[torch.Tensor, ...], extra: tuple[Any, ...],
+                     grad: torch.Tensor | tuple[torch.Tensor, ...], trailing: int) -> tuple[torch.Tensor | None, ...]:
     """Backward of a custom op by recomputing its reference body on ``tensors`` (then ``extra`` args) under
     autograd; returns one gradient per tensor (None where not required) and ``trailing`` Nones."""
     with torch.enable_grad():
@@ -172,6 +175,37 @@ def _attention_backward(ctx, grad):
 sparse_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
+@torch.library.custom_op("v4compile::sparse_attention_padded", mutates_args=())
+def sparse_attention_padded(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, index: torch.Tensor,
+                            scale: float, multiple: int, backend: str) -> torch.Tensor:
+    """``sparse_attention`` for a kernel that needs the head count to be a multiple of ``multiple``: adds
+    zero query heads (sink 0), runs the kernel, and keeps the real heads. Heads are independent, so the
+    result equals the unpadded call."""
+    heads = q.shape[2]
+    extra = -heads % multiple
+    padded_q = torch.nn.functional.pad(q, (0, 0, 0, extra))
+    padded_sink = torch.nn.functional.pad(sink, (0, extra))
+    return _run("sparse_attention", backend, padded_q, kv, padded_sink, index, scale)[:, :, :heads].contiguous()
+
+
+@sparse_attention_padded.register_fake
+def _(q, kv, sink, index, scale, multiple, backend):
+    return torch.empty_like(q)
+
+
+def _padded_attention_setup(ctx, inputs, output):
+    q, kv, sink, index, scale, _, _ = inputs
+    ctx.save_for_backward(q, kv, sink)
+    ctx.args = (index, scale)
+
+
+def _padded_attention_backward(ctx, grad):
+    return _reference_grads("sparse_attention", ctx.saved_tensors, ctx.args, grad, trailing=4)
+
+
+sparse_attention_padded.register_autograd(_padded_attention_backward, setup_context=_padded_attention_setup)
+
+
 # ----------------------------------------------------------------------------- indexer_scores
 @torch.library.custom_op("v4compile::indexer_scores", mutates_args=())
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, backend: str) -> torch.Tensor:
@@ -193,3 +227,96 @@ def _scores_backward(ctx, grad):
 
 
 indexer_scores.register_autograd(_scores_backward, setup_context=_scores_setup)
+
+
+# ----------------------------------------------------------------------------- mhc_pre
+@torch.library.custom_op("v4compile::mhc_pre", mutates_args=())
+def mhc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, hc_eps: float,
+            norm_eps: float, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC pre step of streams x [..., n, D]: (sub-layer input [..., D] in x's dtype, post [..., n], comb
+    [..., n, n] after ``iters`` Sinkhorn steps), fp32 math."""
+    return _run("mhc_pre", backend, x, fn, scale, base, iters, hc_eps, norm_eps)
+
+
+@mhc_pre.register_fake
+def _(x, fn, scale, base, iters, hc_eps, norm_eps, backend):
+    *lead, n, dim = x.shape
+    return (x.new_empty(*lead, dim), x.new_empty(*lead, n, dtype=torch.float32),
+            x.new_empty(*lead, n, n, dtype=torch.float32))
+
+
+def _mhc_pre_setup(ctx, inputs, output):
+    x, fn, scale, base, iters, hc_eps, norm_eps, _ = inputs
+    ctx.save_for_backward(x, fn, scale, base)
+    ctx.args = (iters, hc_eps, norm_eps)
+
+
+def _mhc_pre_backward(ctx, grad_y, grad_post, grad_comb):
+    return _reference_grads("mhc_pre", ctx.saved_tensors, ctx.args, (grad_y, grad_post, grad_comb), trailing=4)
+
+
+mhc_pre.register_autograd(_mhc_pre_backward, setup_context=_mhc_pre_setup)
+
+
+# ----------------------------------------------------------------------------- mhc_post
+@torch.library.custom_op("v4compile::mhc_post", mutates_args=())
+def mhc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, backend: str) -> torch.Tensor:
+    """mHC post step: new streams ``post_k * y + sum_j comb[j, k] x_j`` [..., n, D] in y's dtype."""
+    return _run("mhc_post", backend, y, x, post, comb)
+
+
+@mhc_post.register_fake
+def _(y, x, post, comb, backend):
+    return x.new_empty(x.shape, dtype=y.dtype)
+
+
+def _mhc_post_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:4])
+
+
+def _mhc_post_backward(ctx, grad):
+    return _reference_grads("mhc_post", ctx.saved_tensors, (), grad, trailing=1)
+
+
+mhc_post.register_autograd(_mhc_post_backward, setup_context=_mhc_post_setup)
+
+
+# ----------------------------------------------------------------------------- moe_experts
+@torch.library.custom_op("v4compile::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, combine: torch.Tensor, ids: torch.Tensor, first: int, w1: list[torch.Tensor],
+                w3: list[torch.Tensor], w2: list[torch.Tensor], s1: list[torch.Tensor], s3: list[torch.Tensor],
+                s2: list[torch.Tensor], fmt: str, pow2: bool, limit: float, backend: str) -> torch.Tensor:
+    """The routed experts' weighted sum [T, D] (fp32) for tokens x [T, D] (bf16): local expert i (global
+    ``first + i``, weights ``w1[i]``, ``w3[i]``, ``w2[i]`` with scales ``s*[i]`` unless ``fmt`` is bf16) on the
+    tokens whose ``ids`` [T, k] name it, weighted by ``combine`` [T, E] inside its clamped SwiGLU."""
+    return _run("moe_experts", backend, x, combine, ids, first, w1, w3, w2, s1, s3, s2, fmt, pow2, limit)
+
+
+@moe_experts.register_fake
+def _(x, combine, ids, first, w1, w3, w2, s1, s3, s2, fmt, pow2, limit, backend):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+def _moe_setup(ctx, inputs, output):
+    x, combine, ids, first, w1, w3, w2, s1, s3, s2, fmt, pow2, limit, _ = inputs
+    ctx.save_for_backward(x, combine, ids, *w1, *w3, *w2, *s1, *s3, *s2)
+    ctx.args = (first, len(w1), len(s1), fmt, pow2, limit)
+
+
+def _moe_backward(ctx, grad):
+    # the reference body recomputed under autograd; the lists' gradients come back as lists
+    first, n, n_scales, fmt, pow2, limit = ctx.args
+    x, combine, ids, *rest = ctx.saved_tensors
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (x, combine, *rest[: 3 * n])]
+        weights = [leaves[2 + i * n : 2 + (i + 1) * n] for i in range(3)]
+        scales = [rest[3 * n + i * n_scales : 3 * n + (i + 1) * n_scales] for i in range(3)]
+        out = reference.moe_experts(leaves[0], leaves[1], ids, first, *weights, *scales, fmt, pow2, limit)
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else [])
+    g = [next(grads) if t.requires_grad else None for t in leaves]
+    lists = [g[2 + i * n : 2 + (i + 1) * n] for i in range(3)]
+    return (g[0], g[1], None, None, *lists, *([None] * n_scales for _ in range(3)), None, None, None, None)
+
+
+moe_experts.register_autograd(_moe_backward, setup_context=_moe_setup)

@@ -17,6 +17,7 @@ from .config import V4Config
 from .indexer import Indexer
 from .linear import Linear
 from .norm import RMSNorm
+from .parallel import TensorParallel
 from .rope import apply_rope, rope_cos_sin, rope_frequencies
 from .routing import Routing
 from .sparse_attention import sparse_attention
@@ -53,26 +54,30 @@ def _append(keys: torch.Tensor, index: torch.Tensor, entries: torch.Tensor,
 
 
 class Attention(nn.Module):
-    """Official names: attn_sink, wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, compressor, indexer."""
+    """Official names: attn_sink, wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, compressor, indexer.
+    Under tensor parallelism a rank holds ``n_heads / tp`` query heads and ``o_groups / tp`` output groups
+    (their ``wo_a`` rows and ``wo_b`` input columns); the KV path and compressors are replicated."""
 
-    def __init__(self, config: V4Config, ratio: int) -> None:
+    def __init__(self, config: V4Config, ratio: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         c = config
-        self.ratio, self.n_heads, self.head_dim, self.rope_dim = ratio, c.n_heads, c.head_dim, c.rope_head_dim
-        self.window, self.groups, self.o_lora_rank, self.eps = c.window_size, c.o_groups, c.o_lora_rank, c.norm_eps
+        self.tp = tp or TensorParallel()
+        heads, groups = c.n_heads // self.tp.size, c.o_groups // self.tp.size
+        self.ratio, self.n_heads, self.head_dim, self.rope_dim = ratio, heads, c.head_dim, c.rope_head_dim
+        self.window, self.groups, self.o_lora_rank, self.eps = c.window_size, groups, c.o_lora_rank, c.norm_eps
         self.pow2_scales = c.pow2_scales
         self.softmax_scale = c.head_dim**-0.5
         fmt = "fp8" if c.weights_fp8 else "bf16"
-        self.attn_sink = nn.Parameter(torch.zeros(c.n_heads, dtype=torch.float32))
+        self.attn_sink = nn.Parameter(torch.zeros(heads, dtype=torch.float32))
         self.wq_a = Linear(c.dim, c.q_lora_rank, fmt, c.pow2_scales)
         self.q_norm = RMSNorm(c.q_lora_rank, c.norm_eps)
-        self.wq_b = Linear(c.q_lora_rank, c.n_heads * c.head_dim, fmt, c.pow2_scales)
+        self.wq_b = Linear(c.q_lora_rank, heads * c.head_dim, fmt, c.pow2_scales)
         self.wkv = Linear(c.dim, c.head_dim, fmt, c.pow2_scales)
         self.kv_norm = RMSNorm(c.head_dim, c.norm_eps)
-        self.wo_a = Linear(c.n_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, "bf16")
-        self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.dim, fmt, c.pow2_scales)
+        self.wo_a = Linear(c.n_heads * c.head_dim // c.o_groups, groups * c.o_lora_rank, "bf16")
+        self.wo_b = Linear(groups * c.o_lora_rank, c.dim, fmt, c.pow2_scales)
         self.compressor = Compressor(c, ratio, c.head_dim, rotate=False) if ratio else None
-        self.indexer = Indexer(c, ratio) if ratio == 4 else None
+        self.indexer = Indexer(c, ratio, self.tp) if ratio == 4 else None
         if ratio:
             freqs = rope_frequencies(c.rope_head_dim, c.compress_rope_theta, c.original_seq_len, c.rope_factor,
                                      c.beta_fast, c.beta_slow)
@@ -97,7 +102,9 @@ class Attention(nn.Module):
         o = o.flatten(2).unflatten(-1, (self.groups, -1))
         wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)
         o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
-        return self.wo_b(o.flatten(2))
+        if self.tp.size == 1:
+            return self.wo_b(o.flatten(2))
+        return self.tp.all_reduce(self.wo_b.unrounded(o.flatten(2))).to(torch.bfloat16)
 
     def _dense_choice(self, entries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """C128: every complete entry before each query. ``positions`` [..., S] -> ids [..., S, N], -1 if not yet."""
@@ -186,6 +193,7 @@ class Attention(nn.Module):
                 chosen = self.indexer.forward_decode(x, qr, positions, cos, sin, self.freqs, cache.indexer,
                                                      _replayed(routing, layer))
                 _record(routing, layer, chosen)
+                entries, chosen = cache.sparse_entries(chosen, positions)
             else:
                 chosen = self._dense_choice(entries, positions.view(bsz, 1))
             keys, index = _append(keys, index, entries, chosen)
@@ -218,6 +226,7 @@ class Attention(nn.Module):
                 chosen = self.indexer.forward_decode(x, qr, positions, cos, sin, self.freqs, cache.indexer,
                                                      _replayed(routing, layer))
                 _record(routing, layer, chosen)
+                entries, chosen = cache.sparse_entries(chosen, positions)
             else:
                 chosen = self._dense_choice(entries, pos)
             keys, index = _append(keys, index, entries, chosen)

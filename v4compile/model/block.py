@@ -11,18 +11,20 @@ from .config import V4Config
 from .mhc import hc_post, hc_pre
 from .moe import MoE
 from .norm import RMSNorm
+from .parallel import TensorParallel
 from .routing import Routing
 
 
 class Block(nn.Module):
-    """Official names: attn, ffn, attn_norm, ffn_norm, hc_{attn,ffn}_{fn,base,scale}."""
+    """Official names: attn, ffn, attn_norm, ffn_norm, hc_{attn,ffn}_{fn,base,scale}. ``tp``: this rank's
+    tensor-parallel place (attention heads and routed experts are split, the rest replicated)."""
 
-    def __init__(self, config: V4Config, ratio: int, hashed: bool) -> None:
+    def __init__(self, config: V4Config, ratio: int, hashed: bool, tp: TensorParallel | None = None) -> None:
         super().__init__()
         c = config
         self.hc_iters, self.hc_eps, self.norm_eps = c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps
-        self.attn = Attention(c, ratio)
-        self.ffn = MoE(c, hashed)
+        self.attn = Attention(c, ratio, tp)
+        self.ffn = MoE(c, hashed, tp)
         self.attn_norm = RMSNorm(c.dim, c.norm_eps)
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
         mix, width = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.dim

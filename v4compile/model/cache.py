@@ -8,6 +8,7 @@ previous block too). Batch row b is one sequence; positions are per row.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,17 @@ class CompressorCache:
         self.kv_state[rows] = 0
         self.score_state[rows] = float("-inf")
 
+    def rows(self, start: int, stop: int) -> CompressorCache:
+        """Batch rows ``start..stop-1``, sharing storage."""
+        return CompressorCache(self.entries[start:stop], self.kv_state[start:stop], self.score_state[start:stop])
+
+    def copy_row(self, dst_row: int, src: CompressorCache, src_row: int, entries: bool = True) -> None:
+        """Copies one sequence's state (and its entries unless ``entries`` is False) from ``src`` row ``src_row``."""
+        if entries:
+            self.entries[dst_row] = src.entries[src_row]
+        self.kv_state[dst_row] = src.kv_state[src_row]
+        self.score_state[dst_row] = src.score_state[src_row]
+
 
 @dataclass
 class LayerCache:
@@ -45,10 +57,30 @@ class LayerCache:
             if c is not None:
                 c.reset_rows(rows)
 
+    def rows(self, start: int, stop: int) -> LayerCache:
+        """Batch rows ``start..stop-1``, sharing storage (writes go through)."""
+        return LayerCache(self.window[start:stop], *(None if c is None else c.rows(start, stop)
+                                                     for c in (self.compressor, self.indexer)))
 
-def _compressor_cache(
+    def copy_row(self, dst_row: int, src: LayerCache, src_row: int) -> None:
+        """Copies one sequence's state of this layer from ``src`` row ``src_row`` into row ``dst_row``."""
+        self.window[dst_row] = src.window[src_row]
+        for a, b in ((self.compressor, src.compressor), (self.indexer, src.indexer)):
+            if a is not None and b is not None:
+                a.copy_row(dst_row, b, src_row)
+
+    def sparse_entries(self, chosen: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a C4 layer's decode attention reads for the indexer's ``chosen`` entry ids [B, S, K] (S tokens
+        per row from ``positions`` [B]; -1 = none): compressed entries [B, N', d] and the chosen ids as indices
+        into them. Every entry is resident in this cache, so that is the entry store with the ids unchanged; a
+        cache keeping entries elsewhere (HiSparse's host tier) brings the chosen ones in instead."""
+        return self.compressor.entries[: chosen.shape[0]], chosen
+
+
+def compressor_cache(
     batch: int, max_seq_len: int, ratio: int, width: int, device: torch.device | None
 ) -> CompressorCache:
+    """A cleared compressor cache: ``max_seq_len // ratio`` entries per row and the fp32 open-block state."""
     c = 2 if ratio == 4 else 1
     return CompressorCache(
         entries=torch.zeros(batch, max_seq_len // ratio, width, dtype=torch.bfloat16, device=device),
@@ -65,19 +97,22 @@ class V4Cache:
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len or config.max_seq_len
         device = torch.device(device) if device is not None else None
-        self.layers: list[LayerCache] = []
-        for ratio in config.layer_ratios:
-            window = torch.zeros(batch_size, config.window_size, config.head_dim, dtype=torch.bfloat16, device=device)
-            layer = LayerCache(window=window)
-            if ratio:
-                layer.compressor = _compressor_cache(batch_size, self.max_seq_len, ratio, config.head_dim, device)
-            if ratio == 4:
-                layer.indexer = _compressor_cache(batch_size, self.max_seq_len, ratio, config.index_head_dim, device)
-            self.layers.append(layer)
+        self.layers = [self.new_layer(config, i, device) for i in range(config.n_layers)]
         self.mtp: list[LayerCache] = [
             LayerCache(torch.zeros(batch_size, config.window_size, config.head_dim, dtype=torch.bfloat16,
                                    device=device)) for _ in range(config.n_mtp_layers)]
         """Window rings of the (window-only) MTP blocks, for drafting in speculative decoding."""
+
+    def new_layer(self, config: V4Config, index: int, device: torch.device | None) -> LayerCache:
+        """The cleared cache of main layer ``index`` (a subclass may keep some of it elsewhere)."""
+        ratio = config.layer_ratios[index]
+        window = torch.zeros(self.batch_size, config.window_size, config.head_dim, dtype=torch.bfloat16, device=device)
+        layer = LayerCache(window=window)
+        if ratio:
+            layer.compressor = compressor_cache(self.batch_size, self.max_seq_len, ratio, config.head_dim, device)
+        if ratio == 4:
+            layer.indexer = compressor_cache(self.batch_size, self.max_seq_len, ratio, config.index_head_dim, device)
+        return layer
 
     @property
     def all_layers(self) -> list[LayerCache]:
@@ -92,27 +127,16 @@ class V4Cache:
 
     def rows(self, start: int, stop: int) -> V4Cache:
         """A cache over batch rows ``start..stop-1`` that shares storage with this one (writes go through)."""
-        view = object.__new__(V4Cache)
-        view.batch_size, view.max_seq_len = stop - start, self.max_seq_len
-
-        def part(c: CompressorCache | None) -> CompressorCache | None:
-            if c is None:
-                return None
-            return CompressorCache(c.entries[start:stop], c.kv_state[start:stop], c.score_state[start:stop])
-
-        view.layers, view.mtp = [[LayerCache(layer.window[start:stop], part(layer.compressor), part(layer.indexer))
-                                  for layer in group] for group in (self.layers, self.mtp)]
+        view = copy.copy(self)
+        view.batch_size = stop - start
+        view.layers = [layer.rows(start, stop) for layer in self.layers]
+        view.mtp = [layer.rows(start, stop) for layer in self.mtp]
         return view
 
     def copy_row(self, dst_row: int, src: V4Cache, src_row: int) -> None:
         """Copies one sequence's whole state from ``src`` row ``src_row`` into row ``dst_row``."""
         for mine, theirs in zip(self.all_layers, src.all_layers, strict=True):
-            mine.window[dst_row] = theirs.window[src_row]
-            for a, b in ((mine.compressor, theirs.compressor), (mine.indexer, theirs.indexer)):
-                if a is not None and b is not None:
-                    a.entries[dst_row] = b.entries[src_row]
-                    a.kv_state[dst_row] = b.kv_state[src_row]
-                    a.score_state[dst_row] = b.score_state[src_row]
+            mine.copy_row(dst_row, theirs, src_row)
 
     def draft_checkpoint(self) -> list[tuple[CompressorCache, torch.Tensor, torch.Tensor]]:
         """What a rejected draft token can leave behind that the next real token does not overwrite: the

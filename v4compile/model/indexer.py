@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -11,29 +13,38 @@ from .compressor import Compressor
 from .config import V4Config
 from .hadamard import hadamard_rotate
 from .linear import Linear
+from .parallel import TensorParallel
 from .rope import apply_rope
 
 
-def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``I[b, s, j] = sum_h w[b, s, h] * relu(q[b, s, h] . k[b, j])`` [B, S, N] as fp32, from q [B, S, H, d],
     keys [B, N, d] and weights [B, S, H]; every step rounds to q's dtype (bf16 in the model), as the official
-    indexer does."""
+    indexer does. ``reduce`` (tensor parallelism: a sum over the ranks, each holding some heads) is applied to
+    the unrounded fp32 head sums, which are rounded after it, so the result equals the single-process one."""
     dots = torch.einsum("bshd,bnd->bshn", q, keys.to(q.dtype)).relu()
-    return (dots * weights.to(q.dtype).unsqueeze(-1)).sum(dim=2).to(torch.promote_types(q.dtype, torch.float32))
+    weighted = dots * weights.to(q.dtype).unsqueeze(-1)
+    out = torch.promote_types(q.dtype, torch.float32)
+    if reduce is None:
+        return weighted.sum(dim=2).to(out)
+    return reduce(weighted.to(out).sum(dim=2)).to(q.dtype).to(out)
 
 
 class Indexer(nn.Module):
-    """Official names: ``wq_b``, ``weights_proj`` (bf16), ``compressor`` (width index_head_dim, rotating)."""
+    """Official names: ``wq_b``, ``weights_proj`` (bf16), ``compressor`` (width index_head_dim, rotating).
+    Under tensor parallelism a rank holds ``index_n_heads / tp`` heads; the compressor is replicated."""
 
-    def __init__(self, config: V4Config, ratio: int) -> None:
+    def __init__(self, config: V4Config, ratio: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp or TensorParallel()
         self.n_heads, self.head_dim, self.topk, self.ratio = (
-            config.index_n_heads, config.index_head_dim, config.index_topk, ratio)
+            config.index_n_heads // self.tp.size, config.index_head_dim, config.index_topk, ratio)
         fmt = "fp8" if config.weights_fp8 else "bf16"
         self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, fmt, config.pow2_scales)
         self.weights_proj = Linear(config.dim, self.n_heads, "bf16")
         self.compressor = Compressor(config, ratio, self.head_dim, rotate=True)
-        self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
+        self.weight_scale = self.head_dim**-0.5 * config.index_n_heads**-0.5
 
     def queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Indexer queries [B, S, H_I, d_I]: projected, rotated (RoPE, Hadamard), FP4-simulated."""
@@ -44,8 +55,13 @@ class Indexer(nn.Module):
     def scores(self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """``I[b, s, j] = sum_h w[b, s, h] * relu(q[b, s, h] . k[b, j])``, [B, S, N] (fp32 out).
 
-        Computed in bf16 like the official indexer: its top-k ties and near-ties depend on that rounding."""
-        return index_scores(q, keys, self.weights_proj(x) * self.weight_scale)
+        Computed in bf16 like the official indexer: its top-k ties and near-ties depend on that rounding. A
+        tensor-parallel rank scores its own heads and the ranks' head sums are added before the rounding,
+        so every rank selects the same entries, and the ones the single-process model selects."""
+        weights = self.weights_proj(x) * self.weight_scale
+        if self.tp.size == 1:
+            return index_scores(q, keys, weights)
+        return index_scores(q, keys, weights, self.tp.all_reduce)
 
     def select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Top-k entry ids among visible ones [B, S, min(topk, N)], ties to the lowest id; -1 fills missing slots.

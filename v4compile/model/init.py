@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -11,15 +12,16 @@ from . import quant
 from .linear import Linear
 
 
-@torch.no_grad()
-def random_init(model: nn.Module, seed: int) -> None:
-    """Fills every weight with seeded random values of sensible scale; quantized formats are quantized."""
+def random_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every randomly initialised tensor of ``model`` as (state-dict name, CPU value), in a fixed order drawn
+    from one seeded generator; quantized formats are quantized. Only shapes are read, so ``model`` may live
+    on the meta device (a tensor-parallel shard walks the whole model this way and keeps its parts)."""
     gen = torch.Generator().manual_seed(seed)
 
     def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
         return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
-    for module in model.modules():
+    for prefix, module in model.named_modules():
         if isinstance(module, Linear):
             w = normal((module.out_features, module.in_features), 1 / math.sqrt(module.in_features))
             if module.fmt == "fp8":
@@ -28,24 +30,45 @@ def random_init(model: nn.Module, seed: int) -> None:
                 q, s = quant.quantize_fp4_weight(w)
             else:
                 q, s = w.to(module.weight.dtype), None
-            module.weight.copy_(q)
+            dot = "." if prefix else ""
+            yield f"{prefix}{dot}weight", q
             if s is not None:
-                module.scale.copy_(s)
+                yield f"{prefix}{dot}scale", s
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
+        shape = tuple(p.shape)
         if name.endswith("embed.weight"):
-            p.copy_(normal(tuple(p.shape), 1.0))
+            yield name, normal(shape, 1.0)
         elif leaf.endswith("_fn"):
-            p.copy_(normal(tuple(p.shape), 0.1 / math.sqrt(p.shape[-1])))
+            yield name, normal(shape, 0.1 / math.sqrt(shape[-1]))
         elif leaf.endswith("_base") or leaf == "attn_sink" or leaf == "bias":
-            p.zero_()
+            yield name, torch.zeros(shape)
         elif leaf.endswith("_scale"):
-            p.fill_(1.0)
+            yield name, torch.ones(shape)
         elif leaf == "ape":
-            p.copy_(normal(tuple(p.shape), 0.1))
+            yield name, normal(shape, 0.1)
         elif name.endswith("ffn.gate.weight"):
-            p.copy_(normal(tuple(p.shape), 1 / math.sqrt(p.shape[-1])))
+            yield name, normal(shape, 1 / math.sqrt(shape[-1]))
     for name, b in model.named_buffers():
         if name.endswith("tid2eid"):
             n_experts = model.config.n_routed_experts
-            b.copy_(torch.rand(b.shape[0], n_experts, generator=gen).argsort(-1)[:, : b.shape[1]].int())
+            yield name, torch.rand(b.shape[0], n_experts, generator=gen).argsort(-1)[:, : b.shape[1]].int()
+
+
+@torch.no_grad()
+def random_init(model: nn.Module, seed: int) -> None:
+    """Fills every weight with seeded random values of sensible scale; quantized formats are quantized.
+
+    A tensor-parallel shard (``model.tp.size > 1``) draws the whole model's values in the same order and keeps
+    its part of each, so it equals the matching slices of the single-process model with the same seed."""
+    tp = getattr(model, "tp", None)
+    targets = model.state_dict()
+    if tp is None or tp.size == 1:
+        for name, value in random_tensors(model, seed):
+            targets[name].copy_(value)
+        return
+    whole = type(model)(model.config, seed=None, device="meta")
+    for name, value in random_tensors(whole, seed):
+        place = tp.placement(name, tuple(value.shape), model.config)
+        if place is not None:
+            targets[place.name].copy_(place.take(value))

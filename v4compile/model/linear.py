@@ -68,5 +68,13 @@ class Linear(nn.Module):
         xq = quant.fp8_simulate(x, quant.FP8_ACT_BLOCK, self.pow2_scales).float()
         return F.linear(xq, self.dequantized_weight()).to(torch.bfloat16)
 
+    def unrounded(self, x: torch.Tensor) -> torch.Tensor:
+        """The product before its final rounding to bf16, as fp32: a row-parallel layer sums these partial
+        products over the ranks and rounds once, as the single-process ``forward`` does."""
+        if self.fmt in ("fp32", "bf16"):
+            return F.linear(x.to(self.weight.dtype).float(), self.weight.float())
+        xq = quant.fp8_simulate(x, quant.FP8_ACT_BLOCK, self.pow2_scales).float()
+        return F.linear(xq, self.dequantized_weight())
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}"

@@ -8,6 +8,7 @@ from torch import nn
 
 from .config import V4Config
 from .linear import Linear, WeightFormat
+from .parallel import TensorParallel
 from .routing import Routing
 
 
@@ -65,18 +66,22 @@ class Expert(nn.Module):
 
 
 class MoE(nn.Module):
-    """Official names: ``gate``, ``experts.{e}``, ``shared_experts``."""
+    """Official names: ``gate``, ``experts.{e}``, ``shared_experts``. Under tensor parallelism a rank holds the
+    routed experts ``first..first+len(experts)-1`` (local names count from 0); gate and shared expert are
+    replicated."""
 
-    def __init__(self, config: V4Config, hashed: bool) -> None:
+    def __init__(self, config: V4Config, hashed: bool, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp or TensorParallel()
         self.dim, self.n_experts = config.dim, config.n_routed_experts
+        self.first, stop = self.tp.part(config.n_routed_experts)
         dense_fmt: WeightFormat = "fp8" if config.weights_fp8 else "bf16"
         expert_fmt: WeightFormat = "fp4" if config.expert_dtype == "fp4" else dense_fmt
         limit = config.swiglu_limit
         self.gate = Gate(config, hashed)
         self.experts = nn.ModuleList(
             Expert(config.dim, config.moe_inter_dim, expert_fmt, config.pow2_scales, limit)
-            for _ in range(config.n_routed_experts)
+            for _ in range(stop - self.first)
         )
         self.shared_experts = Expert(config.dim, config.moe_inter_dim, dense_fmt, config.pow2_scales, limit)
 
@@ -90,7 +95,8 @@ class MoE(nn.Module):
                 layer: int = 0) -> torch.Tensor:
         """MoE output for x [B, S, D] (bf16). Every expert runs on every token with its routing weight
         (zero when not chosen): static shapes, no host syncs; the compiler replaces this dispatch.
-        ``routing`` records this layer's experts into ``routing.experts[layer]`` or replays them."""
+        ``routing`` records this layer's experts into ``routing.experts[layer]`` or replays them. A tensor-parallel
+        rank runs its own experts and the ranks' partial sums are added before the shared expert."""
         flat = x.reshape(-1, self.dim)
         replay = routing.experts[layer] if routing is not None and routing.replay else None
         weights, ids = self.route(x, input_ids, replay)
@@ -99,7 +105,7 @@ class MoE(nn.Module):
         combine = torch.zeros(flat.shape[0], self.n_experts, dtype=torch.float32, device=x.device)
         combine = combine.scatter(1, ids, weights)
         y = torch.zeros(flat.shape, dtype=torch.float32, device=x.device)
-        for e, expert in enumerate(self.experts):
+        for e, expert in enumerate(self.experts, start=self.first):
             y = y + expert(flat, combine[:, e : e + 1]).float()
-        y = y + self.shared_experts(flat).float()
+        y = self.tp.all_reduce(y) + self.shared_experts(flat).float()
         return y.to(x.dtype).view(x.shape)

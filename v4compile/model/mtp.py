@@ -9,14 +9,15 @@ from .block import Block
 from .config import V4Config
 from .linear import Linear
 from .norm import RMSNorm
+from .parallel import TensorParallel
 
 
 class MTPBlock(Block):
     """A window-only, score-routed block plus ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm``
     and its own ``hc_head_{fn,base,scale}``. Embedding and output head are shared with the main model."""
 
-    def __init__(self, config: V4Config, k: int) -> None:
-        super().__init__(config, config.mtp_ratio(k), hashed=False)
+    def __init__(self, config: V4Config, k: int, tp: TensorParallel | None = None) -> None:
+        super().__init__(config, config.mtp_ratio(k), hashed=False, tp=tp)
         c = config
         fmt = "fp8" if c.weights_fp8 else "bf16"
         self.e_proj = Linear(c.dim, c.dim, fmt, c.pow2_scales)

@@ -19,6 +19,7 @@ from .linear import Linear
 from .mhc import hc_head
 from .mtp import MTPBlock
 from .norm import RMSNorm
+from .parallel import TensorParallel, check_degree
 from .routing import Routing
 
 
@@ -27,36 +28,68 @@ class InputError(ValueError):
 
 
 class Embedding(nn.Module):
-    """Token embedding with a bf16 ``weight`` [vocab, dim]."""
+    """Token embedding with a bf16 ``weight`` [vocab, dim]; under tensor parallelism each rank holds a
+    contiguous part of the vocabulary."""
 
-    def __init__(self, vocab_size: int, dim: int) -> None:
+    def __init__(self, vocab_size: int, dim: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(vocab_size, dim, dtype=torch.bfloat16))
+        self.tp = tp or TensorParallel()
+        self.first, stop = self.tp.part(vocab_size)
+        self.weight = nn.Parameter(torch.zeros(stop - self.first, dim, dtype=torch.bfloat16))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Embeds token ids."""
-        return F.embedding(ids, self.weight)
+        """Embeds token ids; a tensor-parallel rank looks up the ids it holds (zeros elsewhere) and the ranks'
+        lookups are summed."""
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.first
+        held = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(torch.where(held, local, 0), self.weight).masked_fill(~held.unsqueeze(-1), 0)
+        return self.tp.all_reduce(rows)
 
 
 class DeepSeekV4(nn.Module):
-    """The reference DeepSeek-V4 model. ``seed`` gives a seeded random init (None leaves zeros for loading)."""
+    """The reference DeepSeek-V4 model. ``seed`` gives a seeded random init (None leaves zeros for loading).
 
-    def __init__(self, config: V4Config, *, seed: int | None = 0, device: torch.device | str | None = None) -> None:
+    ``tp_rank``/``tp_size``: this process's shard of a tensor-parallel model (see ``parallel.py``); a seeded
+    shard holds exactly its part of the single-process model with the same seed."""
+
+    def __init__(self, config: V4Config, *, seed: int | None = 0, device: torch.device | str | None = None,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
+        check_degree(config, tp_size, tp_rank)
         c = self.config = config
+        tp = self.tp = TensorParallel(tp_rank, tp_size)
         with torch.device(device or "cpu"):
-            self.embed = Embedding(c.vocab_size, c.dim)
-            self.layers = nn.ModuleList(Block(c, r, hashed=i < c.n_hash_layers) for i, r in enumerate(c.layer_ratios))
+            self.embed = Embedding(c.vocab_size, c.dim, tp)
+            self.layers = nn.ModuleList(Block(c, r, hashed=i < c.n_hash_layers, tp=tp)
+                                        for i, r in enumerate(c.layer_ratios))
             self.norm = RMSNorm(c.dim, c.norm_eps)
-            self.head = Linear(c.dim, c.vocab_size, "fp32")
+            self.head = Linear(c.dim, c.vocab_size // tp.size, "fp32")
             self.hc_head_fn = nn.Parameter(torch.zeros(c.hc_mult, c.hc_mult * c.dim, dtype=torch.float32))
             self.hc_head_base = nn.Parameter(torch.zeros(c.hc_mult, dtype=torch.float32))
             self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
-            self.mtp = nn.ModuleList(MTPBlock(c, k) for k in range(c.n_mtp_layers))
+            self.mtp = nn.ModuleList(MTPBlock(c, k, tp) for k in range(c.n_mtp_layers))
         if seed is not None and str(device) != "meta":
             from .init import random_init
 
             random_init(self, seed)
+
+    def shard(self, tp_rank: int, tp_size: int) -> DeepSeekV4:
+        """This single-process model's part for tensor-parallel rank ``tp_rank`` of ``tp_size``, as a new model on
+        the same device: what ``load`` or a seeded build gives that rank, without reading or drawing the weights
+        again (a benchmark compares the two models in one process)."""
+        if self.tp.size != 1:
+            raise ValueError(f"shard() splits a single-process model; this one is already tp rank {self.tp.rank} "
+                             f"of {self.tp.size}")
+        part = DeepSeekV4(self.config, seed=None, device=self.embed.weight.device, tp_rank=tp_rank, tp_size=tp_size)
+        targets = part.state_dict()
+        with torch.no_grad():
+            for name, value in self.state_dict().items():
+                place = part.tp.placement(name, tuple(value.shape), self.config)
+                if place is not None:
+                    targets[place.name].copy_(place.take(value))
+        return part
 
     # ------------------------------------------------------------------ input checks (eager only)
     def _check_ids(self, input_ids: torch.Tensor, name: str = "input_ids") -> None:
@@ -121,7 +154,7 @@ class DeepSeekV4(nn.Module):
         """fp32 logits from final streams: mHC head, final RMSNorm, output head."""
         h = hc_head(streams, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.config.hc_eps,
                     self.config.norm_eps)
-        return self.head(self.norm(h))
+        return self.tp.all_gather(self.head(self.norm(h)))
 
     def forward(self, input_ids: torch.Tensor, cache: V4Cache | None = None,
                 routing: Routing | None = None) -> torch.Tensor:
@@ -197,7 +230,7 @@ class DeepSeekV4(nn.Module):
         x = block(x, next_ids, cache, positions=positions, start=start)
         h = hc_head(x, block.hc_head_fn, block.hc_head_scale, block.hc_head_base, self.config.hc_eps,
                     self.config.norm_eps)
-        return self.head(block.norm(h))
+        return self.tp.all_gather(self.head(block.norm(h)))
 
     def mtp_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor, k: int = 0) -> torch.Tensor:
         """Logits [B, S, vocab] of MTP block ``k`` from main-model streams ``hidden`` [B, S, n, D] and ``input_ids``."""

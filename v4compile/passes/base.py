@@ -11,7 +11,7 @@ import hashlib
 import inspect
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -65,6 +65,8 @@ class Rewrite:
     kernel: str
     details: dict[str, Any]
     outputs: dict[int, fx.Node] = field(default_factory=dict)
+    annotate: Callable[[fx.Graph], None] | None = None
+    """A plan, not a rewrite (the stream schedule): the manager calls it instead of inserting ``op``."""
 
 
 @dataclass
@@ -103,6 +105,10 @@ class GraphPass(CustomGraphPass):
     summary: ClassVar[str]
     matches: ClassVar[str]
     option_help: ClassVar[dict[str, str]] = {}
+    on_by_default: ClassVar[bool] = True
+    """False for an opt-in pass: it runs only when named in ``passes`` (or given options)."""
+    tolerance: ClassVar[float] = 1e-5
+    """Worst relative error per rewritten region that this pass's kernels may introduce (check mode's bar)."""
 
     def __init__(self, **options: Any) -> None:
         unknown = set(options) - set(self.option_help)

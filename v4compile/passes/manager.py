@@ -30,6 +30,7 @@ class PassStats:
 
     name: str
     enabled: bool
+    tolerance: float = 1e-5
     seconds: float = 0.0
     matches: list[Match] = field(default_factory=list)
     near_misses: list[NearMiss] = field(default_factory=list)
@@ -82,7 +83,13 @@ class _CheckRecorder:
 
 
 def apply_rewrite(graph: fx.Graph, rewrite: Rewrite, check: Match | None = None) -> fx.Node:
-    """Inserts the custom-op call, reroutes the region's outputs to it and removes the dead region."""
+    """Inserts the custom-op call, reroutes the region's outputs to it and removes the dead region (an
+    annotation-only rewrite just annotates the graph: no value changes, so a checked one's error is 0)."""
+    if rewrite.annotate is not None:
+        rewrite.annotate(graph)
+        if check is not None:
+            check.worst_rel_error = 0.0
+        return rewrite.sink
     op = rewrite.op._opoverload if hasattr(rewrite.op, "_opoverload") else rewrite.op
     with graph.inserting_before(rewrite.sink):
         new = graph.call_function(op, rewrite.args)
@@ -148,7 +155,7 @@ class PassManager(CustomGraphPass):
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "00-captured.txt").write_text(gm.print_readable(print_output=False))
         for index, graph_pass in enumerate(self.passes, start=1):
-            stats = PassStats(graph_pass.name, graph_pass.name not in self.disabled)
+            stats = PassStats(graph_pass.name, graph_pass.name not in self.disabled, graph_pass.tolerance)
             report.passes.append(stats)
             if not stats.enabled:
                 continue
@@ -170,7 +177,8 @@ class PassManager(CustomGraphPass):
                               rewrite.kernel, rewrite.details)
                 apply_rewrite(gm.graph, rewrite, check=match if self.check else None)
                 stats.matches.append(match)
-                REGISTRY.note_region(rewrite.kernel, f"{graph_pass.name} @ {location}")
+                if rewrite.annotate is None:
+                    REGISTRY.note_region(rewrite.kernel, f"{graph_pass.name} @ {location}")
                 if self.fuel is not None:
                     self.fuel -= 1
             gm.graph.lint()
@@ -187,13 +195,14 @@ class PassManager(CustomGraphPass):
 
 
 def summarize(reports: list[GraphReport]) -> list[dict[str, Any]]:
-    """Per-pass totals over all graphs: matches, near-misses, seconds, kernels, worst numerics error."""
+    """Per-pass totals over all graphs: matches, near-misses, seconds, kernels, worst numerics error and the
+    pass's stated tolerance."""
     rows: dict[str, dict[str, Any]] = {}
     for report in reports:
         for stats in report.passes:
             row = rows.setdefault(stats.name, {"pass": stats.name, "enabled": stats.enabled, "matches": 0,
                                                "near_misses": 0, "seconds": 0.0, "kernels": set(),
-                                               "worst_rel_error": None})
+                                               "worst_rel_error": None, "tolerance": stats.tolerance})
             row["matches"] += len(stats.matches)
             row["near_misses"] += len(stats.near_misses)
             row["seconds"] += stats.seconds

@@ -19,6 +19,7 @@ import torch
 from ..model.cache import V4Cache
 from ..model.config import V4Config
 from ..model.routing import Routing
+from .hisparse import HiSparse, HiSparseCache, device_row_bytes, slot_bytes
 from .prefix_store import PrefixStore
 from .requests import RequestError, RequestOutput
 from .sampling import sample
@@ -50,12 +51,18 @@ class Engine:
     up to ``max_batch``). ``tail_every`` > 0 also caches a window tail every that many chunks while a prompt
     is prefilled (fewer tokens recomputed after a branch, more bytes); 0 keeps one at the prompt's end only.
     ``deterministic``: one decode bucket (every step the same shapes, so a sequence's log-probs do not
-    depend on what else runs) and torch's deterministic algorithms for the process."""
+    depend on what else runs) and torch's deterministic algorithms for the process.
+
+    ``hisparse_budget`` (bytes, part of ``memory_budget``) turns on HiSparse with a hot buffer of that size:
+    decode rows keep their C4 main entries in a host tier (so each costs far less of the budget and more
+    of them fit), the prefix cache keeps its C4 main entries in host memory too, and each decode step brings
+    the chosen entries into the hot buffer (see ``hisparse.py``). A hot buffer smaller than one step's
+    working set is a ValueError here (or in ``generate`` for MTP, whose steps take two tokens per row)."""
 
     def __init__(self, model: torch.nn.Module, *, memory_budget: int | None = None, max_batch_tokens: int = 128,
                  max_batch: int = 4, max_prefills: int = 1, chunk: int | None = None, prefix_cache: bool = True,
                  decode_buckets: tuple[int, ...] | None = None, max_seq_len: int | None = None,
-                 tail_every: int = 0, deterministic: bool = False) -> None:
+                 tail_every: int = 0, deterministic: bool = False, hisparse_budget: int | None = None) -> None:
         self.model = model
         config = model.config
         self.config = config
@@ -67,23 +74,26 @@ class Engine:
         self.piece = max(d for d in range(1, self.chunk + 1) if self.chunk % d == 0 and d <= max_batch_tokens)
         row_bytes = V4Cache(config, 1, self.max_seq_len, "meta").nbytes()
         budget = memory_budget if memory_budget is not None else (max_batch + max_prefills) * row_bytes * 4
-        rows = min(max_batch + max_prefills, budget // row_bytes)
-        if rows < 2:
-            raise ValueError(f"memory_budget {budget} B holds {rows} sequence cache(s) of {row_bytes} B "
-                             f"(max_seq_len {self.max_seq_len}); one decode row and one prefill row need "
-                             f"{2 * row_bytes} B")
-        self.max_prefills = min(max_prefills, rows - 1)
-        self.max_batch = rows - self.max_prefills
+        hot_bytes = hisparse_budget or 0
+        decode_row = device_row_bytes(config, self.max_seq_len) if hisparse_budget else row_bytes
+        self.max_prefills, self.max_batch = plan_rows(budget - hot_bytes, row_bytes, decode_row, max_prefills,
+                                                      max_batch)
         if deterministic:
             torch.use_deterministic_algorithms(True)
             decode_buckets = (self.max_batch,)
         self.buckets = tuple(sorted(decode_buckets)) if decode_buckets else _powers_of_two(self.max_batch)
         if self.buckets[-1] < self.max_batch:
             self.buckets = (*self.buckets, self.max_batch)
-        self.decode_cache = model.new_cache(self.buckets[-1], self.max_seq_len)
+        self.hisparse: HiSparse | None = None
+        if hisparse_budget:
+            self.hisparse = HiSparse(config, self.buckets[-1], self.max_seq_len, hisparse_budget // slot_bytes(config),
+                                     self.device)
+            self.decode_cache: V4Cache = HiSparseCache(config, self.hisparse, self.device)
+        else:
+            self.decode_cache = model.new_cache(self.buckets[-1], self.max_seq_len)
         self.staging = [model.new_cache(1, self.max_seq_len) for _ in range(self.max_prefills)]
-        self._pool_budget = budget - rows * row_bytes
-        self.store = PrefixStore(config, self.chunk, self._pool_budget, self.device) if prefix_cache else None
+        self._pool_budget = budget - hot_bytes - self.max_prefills * row_bytes - self.max_batch * decode_row
+        self.store = self._new_store() if prefix_cache else None
         self.tail_every = tail_every
         self.speculate = False
         self.recording = False
@@ -106,6 +116,8 @@ class Engine:
             raise ValueError("MTP speculative decoding is greedy only (temperature 0)")
         if mtp and not len(getattr(self.model, "mtp", ())):
             raise ValueError("MTP speculative decoding needs a model with an MTP block (n_mtp_layers >= 1)")
+        if mtp and self.hisparse is not None:
+            self.hisparse.check_capacity(self.hisparse.hot_entries, self.buckets[-1], tokens_per_step=2)
         self.speculate = mtp
         self.recording = record_routing
         limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
@@ -130,11 +142,18 @@ class Engine:
         """Call after changing the model's weights (an RL step): drops every cached prefix, whose KV the old
         weights computed. The engine runs the model object it was given, so new weights serve at once."""
         if self.store is not None:
-            self.store = PrefixStore(self.config, self.chunk, self._pool_budget, self.device)
+            self.store = self._new_store()
 
     def stats(self) -> dict[str, object]:
-        """Prefix-cache pools and tree statistics (empty without a prefix cache)."""
-        return self.store.stats() if self.store is not None else {}
+        """Prefix-cache pools and tree statistics (none without a prefix cache) and, with HiSparse, its
+        statistics under "hisparse" (hit rate, bytes moved per step; reading them syncs the device)."""
+        out = self.store.stats() if self.store is not None else {}
+        if self.hisparse is not None:
+            out["hisparse"] = self.hisparse.stats()
+        return out
+
+    def _new_store(self) -> PrefixStore:
+        return PrefixStore(self.config, self.chunk, self._pool_budget, self.device, host_c4=self.hisparse is not None)
 
     # ------------------------------------------------------------------ scheduling
     def _validate(self, prompt: list[int], limit: int) -> list[int]:
@@ -320,6 +339,17 @@ def _concat(parts: list[Routing], tokens: int) -> Routing:
                torch.cat([torch.nn.functional.pad(p.indexer[i], (0, width - p.indexer[i].shape[-1]), value=-1)
                           for p in parts], dim=1)[:, :tokens] for i in range(len(parts[0].indexer))]
     return Routing(experts, indexer)
+
+
+def plan_rows(budget: int, prefill_row: int, decode_row: int, max_prefills: int, max_batch: int) -> tuple[int, int]:
+    """(prefill rows, decode rows) that ``budget`` bytes of caches pay for: up to ``max_prefills`` prefill rows
+    while one decode row still fits, then up to ``max_batch`` decode rows. ValueError when not one of each fits."""
+    if budget < prefill_row + decode_row:
+        raise ValueError(f"memory_budget leaves {budget} B for sequence caches; one prefill row ({prefill_row} B) "
+                         f"and one decode row ({decode_row} B) need {prefill_row + decode_row} B (max_seq_len and "
+                         "hisparse_budget set these)")
+    prefills = min(max_prefills, (budget - decode_row) // prefill_row)
+    return prefills, min(max_batch, (budget - prefills * prefill_row) // decode_row)
 
 
 def default_chunk(config: V4Config) -> int:

@@ -10,6 +10,9 @@ deepest chunk boundary is computed. Pools and their bytes:
 - ``state``: one snapshot of every C4 compressor's state (fp32): at a boundary (a multiple of 128) no block
   is open, and the next entry reads only the left half of the previous block's rows, so that is all a
   snapshot keeps; C128 compressors hold nothing there.
+
+With ``host_c4`` (HiSparse) the ``c4`` pool's tensor lives in host memory (pinned on a GPU machine) and the
+device budget pays only for the other pools: a hit copies the cached C4 entries back from there.
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ class Hit:
 
 
 class PrefixStore:
-    """ShadowRadix plus preallocated tensors for every pool, sized to ``budget`` bytes."""
+    """ShadowRadix plus preallocated tensors for every pool, sized to ``budget`` device bytes (the ``c4`` pool,
+    when ``host_c4``, sized alike in host memory)."""
 
-    def __init__(self, config: V4Config, chunk: int, budget: int, device: torch.device) -> None:
+    def __init__(self, config: V4Config, chunk: int, budget: int, device: torch.device, host_c4: bool = False) -> None:
         if chunk % 128:
             raise ValueError(f"the prefix-cache chunk must be a multiple of 128 (a C128 block), got {chunk}")
         ratios = config.layer_ratios
-        self.config, self.window = config, config.window_size
+        self.config, self.window, self.host_c4 = config, config.window_size, host_c4
         self.c4 = [i for i, r in enumerate(ratios) if r == 4]
         self.c128 = [i for i, r in enumerate(ratios) if r == 128]
         d, di, n = config.head_dim, config.index_head_dim, len(ratios)
@@ -51,7 +55,7 @@ class PrefixStore:
                  "c128": len(self.c128) * d * 2, "state": len(self.c4) * 4 * 4 * 2 * (d + di)}
         tail_bytes = self.window * sizes["window"] + sizes["state"]
         tails = max(1, int(budget * TAIL_SHARE) // tail_bytes)
-        per_token = sizes["c4"] / 4 + sizes["c4_index"] / 4 + sizes["c128"] / 128
+        per_token = (0 if host_c4 else sizes["c4"] / 4) + sizes["c4_index"] / 4 + sizes["c128"] / 128
         tokens = max(0, int((budget - tails * tail_bytes) / per_token)) // chunk * chunk if per_token else 0
         capacity = {"window": tails * self.window, "state": tails, "c4": tokens // 4, "c4_index": tokens // 4,
                     "c128": tokens // 128}
@@ -62,7 +66,9 @@ class PrefixStore:
             return torch.zeros(layers, cap, width, dtype=dtype, device=device)
 
         self.window_kv = store(n, capacity["window"], d)
-        self.c4_entries = store(len(self.c4), capacity["c4"], d)
+        self.c4_entries = (torch.zeros(len(self.c4), capacity["c4"], d, dtype=torch.bfloat16,
+                                       pin_memory=torch.device(device).type == "cuda")
+                           if host_c4 else store(len(self.c4), capacity["c4"], d))
         self.c4_keys = store(len(self.c4), capacity["c4_index"], di)
         self.c128_entries = store(len(self.c128), capacity["c128"], d)
         shape = (len(self.c4), capacity["state"], 4)
@@ -77,9 +83,9 @@ class PrefixStore:
         if end == 0:
             return Hit(0, match.recompute_tokens)
         layers = cache.layers
-        slots = {name: self._ids(self.tree.prefix_slots(node, name)) for name in ("c4", "c4_index", "c128")}
+        slots = {name: self._ids(self.tree.prefix_slots(node, name), name) for name in ("c4", "c4_index", "c128")}
         for j, i in enumerate(self.c4):
-            layers[i].compressor.entries[0, : end // 4] = self.c4_entries[j, slots["c4"]]
+            layers[i].compressor.entries[0, : end // 4] = self.c4_entries[j, slots["c4"]].to(self.window_kv.device)
             layers[i].indexer.entries[0, : end // 4] = self.c4_keys[j, slots["c4_index"]]
         for j, i in enumerate(self.c128):
             layers[i].compressor.entries[0, : end // 128] = self.c128_entries[j, slots["c128"]]
@@ -137,9 +143,10 @@ class PrefixStore:
 
     def _copy_entries(self, cache: V4Cache, known: int, end: int, fresh: dict[str, list[int]]) -> None:
         layers = cache.layers
-        slots = {name: self._ids(ids) for name, ids in fresh.items()}
+        slots = {name: self._ids(ids, name) for name, ids in fresh.items()}
         for j, i in enumerate(self.c4):
-            self.c4_entries[j, slots["c4"]] = layers[i].compressor.entries[0, known // 4 : end // 4]
+            self.c4_entries[j, slots["c4"]] = layers[i].compressor.entries[0, known // 4 : end // 4].to(
+                self.c4_entries.device)
             self.c4_keys[j, slots["c4_index"]] = layers[i].indexer.entries[0, known // 4 : end // 4]
         for j, i in enumerate(self.c128):
             self.c128_entries[j, slots["c128"]] = layers[i].compressor.entries[0, known // 128 : end // 128]
@@ -155,13 +162,14 @@ class PrefixStore:
                 self.states[prefix + "kv"][j, state] = cached.kv_state[0, :4, :w]
                 self.states[prefix + "score"][j, state] = cached.score_state[0, :4, :w]
 
-    def _ids(self, slots: list[int]) -> torch.Tensor:
-        return torch.tensor(slots, dtype=torch.long, device=self.window_kv.device)
+    def _ids(self, slots: list[int], pool: str = "window") -> torch.Tensor:
+        device = self.c4_entries.device if pool == "c4" else self.window_kv.device
+        return torch.tensor(slots, dtype=torch.long, device=device)
 
     def _ring(self, end: int) -> torch.Tensor:
         """Ring slots of the window tail ending at ``end`` (tokens end - window .. end - 1)."""
         return torch.arange(end - self.window, end, device=self.window_kv.device) % self.window
 
     def stats(self) -> dict[str, object]:
-        """Tree statistics and, per pool, capacity, use and bytes."""
-        return {"tree": self.tree.stats(), "pools": self.pools.stats()}
+        """Tree statistics, per pool capacity, use and bytes, and which pools live in host memory."""
+        return {"tree": self.tree.stats(), "pools": self.pools.stats(), "host_pools": ["c4"] if self.host_c4 else []}

@@ -2,8 +2,9 @@
 row (-1 masked), scores all heads of a head block against them at once (one KV entry serves as key and
 value), and keeps an online softmax whose denominator also holds the per-head sink.
 
-bf16 inputs use tensor-core dots with fp32 accumulation and, like the official kernels, round the
-probabilities to bf16 for the value product; other dtypes use exact (IEEE) fp32 dots. When batch x
+bf16 inputs use tensor-core dots with fp32 accumulation; the probabilities enter the value product as
+the sum of two bf16 terms, which keeps the model's fp32 numerics (the official kernels round them to one
+bf16 term: ``rounded_p=True``, kept for the benchmark's comparison); other dtypes use exact fp32 dots. When batch x
 head blocks cannot fill the GPU (small decode batches), the entries are split over several programs whose
 partial softmax states a second kernel combines (split-K, "flash decoding").
 """
@@ -23,6 +24,7 @@ import triton.language as tl
 
 DIM = tl.constexpr({dim})
 LOW = tl.constexpr({low})
+ROUNDED_P = tl.constexpr({rounded_p})
 DOT = tl.{dot}
 PRECISION = tl.constexpr("{precision}")
 ''' + ROUND_BF16 + '''
@@ -59,9 +61,16 @@ def sparse_attention(Q, KV, SINK, INDEX, OUT, PART, seqlen, heads, n_entries, k_
         alpha = tl.exp(m - m_safe)
         p = tl.exp(scores - m_safe[:, None])
         l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
         if LOW:
-            p = _round_bf16(p)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), kv, input_precision=PRECISION)
+            # p = hi + lo, both bf16: two tensor-core products keep p to about 16 bits (the model's fp32
+            # probabilities within 1e-5); ROUNDED_P keeps only hi, as the official kernels do
+            p_hi = _round_bf16(p)
+            acc += tl.dot(p_hi.to(DOT), kv, input_precision=PRECISION)
+            if not ROUNDED_P:
+                acc += tl.dot((p - p_hi).to(DOT), kv, input_precision=PRECISION)
+        else:
+            acc += tl.dot(p.to(DOT), kv, input_precision=PRECISION)
         m = m_new
     if SPLITS == 1:
         _finish(SINK, OUT, m, l, acc, h, hmask, d, b * s_ob + s * s_os, s_oh)
@@ -110,9 +119,9 @@ def sparse_attention_combine(SINK, OUT, PART, seqlen, heads, s_ob, s_os, s_oh,
 '''
 
 
-def kernel_name(dim: int, low: bool) -> str:
-    """Stable kernel name, e.g. ``sparse_attention.d512.bf16dot.triton``."""
-    return f"sparse_attention.d{dim}.{'bf16dot' if low else 'fp32dot'}.triton"
+def kernel_name(dim: int, low: bool, rounded_p: bool = False) -> str:
+    """Stable kernel name, e.g. ``sparse_attention.d512.bf16dot.triton`` (``.roundedp`` for one-term P)."""
+    return f"sparse_attention.d{dim}.{'bf16dot' if low else 'fp32dot'}{'.roundedp' if rounded_p else ''}.triton"
 
 
 def launch_config(rows: int, heads: int, k_total: int, cuda: bool) -> dict[str, int]:
@@ -128,9 +137,10 @@ def launch_config(rows: int, heads: int, k_total: int, cuda: bool) -> dict[str, 
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, index: torch.Tensor,
-                     scale: float, config: dict[str, int] | None = None) -> torch.Tensor:
+                     scale: float, config: dict[str, int] | None = None, rounded_p: bool = False) -> torch.Tensor:
     """Triton body of ``v4compile::sparse_attention``: q [B,S,H,d], kv [B,N,d], sink [H], index [B,S,K].
-    ``config`` overrides the launch configuration (benchmark sweeps)."""
+    ``config`` overrides the launch configuration (benchmark sweeps); ``rounded_p`` rounds the probabilities
+    to one bf16 term as the official kernels do (benchmark comparison; the op keeps the model's numerics)."""
     bsz, seqlen, heads, dim = q.shape
     if dim & (dim - 1) or dim < 16:
         raise ValueError(f"the sparse attention kernel needs a power-of-two head dim >= 16, got {dim}")
@@ -139,9 +149,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, inde
     # Triton's CPU interpreter cannot multiply bf16 tensors: there the bf16 operands are widened to fp32,
     # which gives the same products (exact in fp32) and the same fp32 accumulation.
     dot = "bfloat16" if low and cuda else "float32"
-    name = kernel_name(dim, low)
+    name = kernel_name(dim, low, rounded_p)
     module = REGISTRY.build(name, "triton", "v4compile::sparse_attention",
-                            lambda: _SOURCE.format(dim=dim, low=low, dot=dot, precision="ieee"),
+                            lambda: _SOURCE.format(dim=dim, low=low, dot=dot, precision="ieee", rounded_p=rounded_p),
                             lambda path: load_triton_module(path, not cuda), key=(cuda, low))
     q, kv, index = q.contiguous(), kv.contiguous(), index.contiguous()
     out = torch.empty_like(q)

@@ -1,0 +1,247 @@
+"""The headline row: a slice of V4-Flash (C4 and C128 layers, FP4 experts, random weights) end to end.
+
+Decode at batch 1, 16 and 64 with a filled 16K-token context, and a prefill of 8K tokens:
+``v4compile.optimize`` (passes + Inductor; decode replayed from a CUDA graph, as the runtime runs it)
+against the model's own PyTorch code in eager and under ``torch.compile`` modes. A compile mode's
+time is measured as that mode runs it; ``default+graph`` additionally replays the default-mode step
+from a CUDA graph, so the comparison does not hinge on launch overhead alone.
+
+    PYTHONPATH=. python3 benchmarks/headline.py            # H200
+    PYTHONPATH=. python3 benchmarks/headline.py --device cpu --small   # a smoke run on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import v4compile
+from v4compile.model import quant
+from v4compile.model.cache import V4Cache
+from v4compile.model.config import V4Config
+from v4compile.model.linear import Linear
+
+MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
+
+
+def slice_config(layers: int, context: int, small: bool, experts: int | None = None) -> V4Config:
+    """V4-Flash dimensions, ``layers`` alternating C4 / C128 layers, no hash layers and no MTP block;
+    ``experts`` overrides the routed expert count (the dense expert loop of the model code is what
+    torch.compile compiles, and its compile time grows with it)."""
+    ratios = [4 if i % 2 == 0 else 128 for i in range(layers)]
+    overrides: dict[str, Any] = dict(n_layers=layers, compress_ratios=ratios, n_hash_layers=0, n_mtp_layers=0,
+                                     max_seq_len=context + 64)
+    if experts:
+        overrides["n_routed_experts"] = experts
+    if small:
+        overrides.update(dim=256, moe_inter_dim=128, n_routed_experts=16, vocab_size=1024, n_heads=8,
+                         q_lora_rank=128, o_groups=2, o_lora_rank=64, head_dim=128, index_n_heads=4,
+                         index_head_dim=64, index_topk=16, dtype="bf16", scale_fmt=None, scale_dtype="fp32",
+                         expert_dtype=None)
+    return V4Config.preset("flash", **overrides)
+
+
+@torch.no_grad()
+def device_random_init(model: torch.nn.Module, seed: int) -> None:
+    """Random weights drawn on the model's device (the CPU initialiser quantizes 25G values for a Flash slice):
+    FP4 experts as uniform e2m1 codes, FP8 weights as rounded normals, both with e8m0 scales that give a
+    weight std near 1/sqrt(fan-in); the other parameters follow ``v4compile.model.init``'s rules."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        if not isinstance(module, Linear):
+            continue
+        std = module.in_features ** -0.5
+        if module.fmt in ("fp4", "fp8"):
+            # e2m1 codes have std ~2.5 over uniform bytes; the e4m3 normals here have std 64
+            spread = 2.5 if module.fmt == "fp4" else 64.0
+            if module.fmt == "fp4":
+                module.weight.copy_(torch.randint(-128, 128, module.weight.shape, generator=gen, device=device))
+            else:
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen, device=device).mul_(spread)
+                                    .clamp_(-448, 448))
+            scale = torch.full(module.scale.shape, 2.0 ** round(math.log2(std / spread)), device=device)
+            module.scale.copy_(quant.float_to_e8m0(scale))
+        else:
+            module.weight.copy_(torch.randn(module.weight.shape, generator=gen, device=device) * std)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("embed.weight"):
+            p.normal_(generator=gen)
+        elif leaf.endswith("_fn"):
+            p.normal_(std=0.1 / math.sqrt(p.shape[-1]), generator=gen)
+        elif leaf.endswith("_base") or leaf in ("attn_sink", "bias"):
+            p.zero_()
+        elif leaf.endswith("_scale"):
+            p.fill_(1.0)
+        elif leaf == "ape":
+            p.normal_(std=0.1, generator=gen)
+        elif name.endswith("ffn.gate.weight"):
+            p.normal_(std=p.shape[-1] ** -0.5, generator=gen)
+
+
+def fill_cache(cache: V4Cache, seed: int) -> None:
+    """Random KV entries and compressor states: decode cost does not depend on their values."""
+    gen = torch.Generator(device=cache.layers[0].window.device).manual_seed(seed)
+    for layer in cache.all_layers:
+        layer.window.normal_(generator=gen)
+        for comp in (layer.compressor, layer.indexer):
+            if comp is not None:
+                comp.entries.normal_(generator=gen)
+                comp.kv_state.normal_(generator=gen)
+                comp.score_state.normal_(generator=gen)
+
+
+def timed(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` runs after one warm-up."""
+    fn()
+    samples = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def graphed(step: Callable[[], Any]) -> Callable[[], Any]:
+    """``step`` captured into a CUDA graph (after warm-up on a side stream); returns the replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def decode_rows(model: v4compile.DeepSeekV4, batch: int, context: int, modes: list[str], reps: int,
+                eager_reps: int, disable: tuple[str, ...]) -> list[dict[str, Any]]:
+    """One row per variant: decode step time at ``batch`` with a ``context``-token cache."""
+    cuda = next(model.parameters()).is_cuda
+    cache = model.new_cache(batch, context + 64)
+    fill_cache(cache, batch)
+    ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=cache.layers[0].window.device)
+    positions = torch.full((batch,), context, device=ids.device)
+    rows: list[dict[str, Any]] = []
+
+    def add(variant: str, fn: Callable[[], Any], n: int, compile_s: float | None = None) -> None:
+        rows.append({"phase": f"decode b{batch}", "variant": variant, "ms": timed(fn, n, cuda),
+                     "compile_s": compile_s})
+        print(json.dumps(rows[-1]), flush=True)
+
+    with torch.no_grad():
+        add("eager", lambda: model.decode_step(ids, positions, cache), eager_reps)
+        for mode in modes:
+            torch._dynamo.reset()
+            compiled = torch.compile(model.decode_step, mode=mode, dynamic=False)
+            t0 = time.perf_counter()
+            compiled(ids, positions, cache)
+            seconds = time.perf_counter() - t0
+            add(f"torch.compile {mode}", lambda c=compiled: c(ids, positions, cache), reps, seconds)
+            if mode == "default" and cuda:
+                add("torch.compile default+graph", graphed(lambda c=compiled: c(ids, positions, cache)), reps)
+        torch._dynamo.reset()
+        optimized = v4compile.optimize(model, disable=disable)
+        t0 = time.perf_counter()
+        optimized.decode_step(ids, positions, cache)
+        seconds = time.perf_counter() - t0
+        step = lambda: optimized.decode_step(ids, positions, cache)  # noqa: E731
+        add("v4compile", graphed(step) if cuda else step, reps, seconds)
+    return rows
+
+
+def prefill_rows(model: v4compile.DeepSeekV4, tokens: int, modes: list[str], reps: int,
+                 disable: tuple[str, ...]) -> list[dict[str, Any]]:
+    """One row per variant: a prefill of ``tokens`` tokens into an empty cache (batch 1)."""
+    cuda = next(model.parameters()).is_cuda
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
+    cache = model.new_cache(1, tokens + 64)
+    rows: list[dict[str, Any]] = []
+    variants: list[tuple[str, Callable[..., Any]]] = [("eager", model)]
+    with torch.no_grad():
+        for mode in modes:
+            torch._dynamo.reset()
+            variants.append((f"torch.compile {mode}", torch.compile(model, mode=mode, dynamic=False)))
+        for name, fn in variants:
+            t0 = time.perf_counter()
+            fn(ids, cache=cache)
+            seconds = time.perf_counter() - t0
+            ms = timed(lambda f=fn: f(ids, cache=cache), reps if name != "eager" else 1, cuda)
+            rows.append({"phase": f"prefill {tokens}", "variant": name, "ms": ms,
+                         "compile_s": None if name == "eager" else seconds})
+        torch._dynamo.reset()
+        optimized = v4compile.optimize(model, disable=disable)
+        t0 = time.perf_counter()
+        optimized(ids, cache=cache)
+        seconds = time.perf_counter() - t0
+        rows.append({"phase": f"prefill {tokens}", "variant": "v4compile",
+                     "ms": timed(lambda: optimized(ids, cache=cache), reps, cuda), "compile_s": seconds})
+    return rows
+
+
+def main() -> None:
+    """Builds the slice, measures every phase and variant, prints the table and writes JSON."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="small dims (a smoke run)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--prefill", type=int, default=8192, help="prefill tokens (0: skip)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--eager-reps", type=int, default=3)
+    parser.add_argument("--disable", default="", help="v4compile passes to switch off, comma-separated")
+    parser.add_argument("--experts", type=int, default=None, help="routed experts (default: Flash's 256)")
+    parser.add_argument("--out", default=None, help="JSON results file")
+    args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    disable = tuple(d for d in args.disable.split(",") if d)
+    config = slice_config(args.layers, max(args.context, args.prefill), args.small, args.experts)
+    model = v4compile.DeepSeekV4(config, seed=None, device=args.device).eval()
+    device_random_init(model, 0)
+    rows: list[dict[str, Any]] = []
+    for batch in (int(b) for b in args.batches.split(",") if b):
+        rows += decode_rows(model, batch, args.context, modes, args.reps, args.eager_reps, disable)
+        save(args, rows)
+    if args.prefill:
+        rows += prefill_rows(model, args.prefill, modes, max(3, args.reps // 5), disable)
+    print(f"\n{'phase':<14} {'variant':<38} {'ms':>10} {'compile s':>10} {'vs best compile':>16}")
+    for phase in dict.fromkeys(r["phase"] for r in rows):
+        group = [r for r in rows if r["phase"] == phase]
+        best = min((r["ms"] for r in group if r["variant"].startswith("torch.compile")), default=float("nan"))
+        for r in group:
+            compile_s = "" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
+            print(f"{phase:<14} {r['variant']:<38} {r['ms']:>10.3f} {compile_s:>10} {best / r['ms']:>15.2f}x")
+    save(args, rows)
+
+
+def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """Writes the rows so far to ``args.out`` (kept when a later phase runs out of time)."""
+    if args.out:
+        device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        Path(args.out).write_text(json.dumps({"device": device, "args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

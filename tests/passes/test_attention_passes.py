@@ -1,0 +1,78 @@
+"""``sparse_attention`` and ``head_padding`` on the tiny preset: what they match, why near-misses do not
+match, and that padding heads leaves the logits unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import v4compile
+from v4compile.debugging import explain, run_entries, sample_ids
+from v4compile.model import attention as attention_module
+
+
+def _stats(optimized: v4compile.OptimizedModel, name: str):
+    return [p for report in optimized.reports() for p in report.passes if p.name == name]
+
+
+@pytest.fixture(scope="module")
+def decode_pair(tiny_model: v4compile.DeepSeekV4) -> dict[str, object]:
+    """Decode logits with the attention kernels, with and without heads padded to Hopper's 64-row tile."""
+    ids = sample_ids(tiny_model)
+    out = {}
+    for padded in (False, True):
+        optimized = v4compile.optimize(tiny_model, backend="triton", passes=["sparse_attention", "head_padding"],
+                                       options={"head_padding": {"target": "sm90", "tp": 2}}, inductor=False,
+                                       disable=() if padded else ("head_padding",))
+        out[padded] = (optimized, run_entries(optimized, ids, ("decode",))["decode"])
+    return out
+
+
+def test_every_attention_and_indexer_scoring_is_rewritten(decode_pair: dict) -> None:
+    optimized, _ = decode_pair[False]
+    [stats] = _stats(optimized, "sparse_attention")
+    forms = sorted((m.location.module, m.details["form"]) for m in stats.matches)
+    # four layers attend; the two C4 layers (1 and 3) also score with the indexer
+    assert forms == sorted([("layers.0", "attention"), ("layers.1", "attention"), ("layers.2", "attention"),
+                            ("layers.3", "attention"), ("layers.1", "indexer scores"), ("layers.3", "indexer scores")])
+    assert all(m.kernel.endswith(".triton") for m in stats.matches)
+    assert not any(m.details.get("fused_with_topk") for m in stats.matches)
+
+
+def test_padded_heads_leave_decode_logits_unchanged(decode_pair: dict) -> None:
+    padded, got = decode_pair[True]
+    _, want = decode_pair[False]
+    [stats] = _stats(padded, "head_padding")
+    assert len(stats.matches) == 4
+    assert all(m.details["heads"] == 4 and m.details["padded_heads"] == 64 and m.details["from"] == "sm90"
+               for m in stats.matches)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_heads_already_a_multiple_are_a_near_miss(tiny_model: v4compile.DeepSeekV4) -> None:
+    optimized = v4compile.optimize(tiny_model, backend="reference", passes=["sparse_attention", "head_padding"],
+                                   options={"head_padding": {"multiple": 2}}, inductor=False)
+    run_entries(optimized, sample_ids(tiny_model), ("forward",))
+    [stats] = _stats(optimized, "head_padding")
+    assert stats.matches == [] and len(stats.near_misses) == 4
+    assert all(m.reason == "4 heads are already a multiple of 2 (option)" for m in stats.near_misses)
+
+
+def test_attention_without_a_sink_is_a_near_miss(monkeypatch: pytest.MonkeyPatch,
+                                                 tiny_model: v4compile.DeepSeekV4) -> None:
+    def no_sink(q, kv, sink, index, scale):
+        """The model's attention with the sink column left out of the softmax."""
+        bsz, seqlen, k = index.shape
+        gather = index.clamp(min=0).reshape(bsz, seqlen * k, 1).expand(-1, -1, kv.shape[-1])
+        keys = torch.gather(kv, 1, gather).view(bsz, seqlen, k, -1).float()
+        scores = torch.einsum("bshd,bskd->bshk", q.float(), keys) * scale
+        probs = scores.masked_fill(~(index >= 0).unsqueeze(2), float("-inf")).softmax(dim=-1)
+        return torch.einsum("bshk,bskd->bshd", probs, keys).to(q.dtype)
+
+    monkeypatch.setattr(attention_module, "sparse_attention", no_sink)
+    optimized = explain(tiny_model, backend="reference", entries=("forward",), passes=["sparse_attention"])
+    [stats] = _stats(optimized, "sparse_attention")
+    assert {m.details["form"] for m in stats.matches} == {"indexer scores"}
+    reasons = [m.reason for m in stats.near_misses if "attention.py" in m.location.source or m.reason]
+    assert len(reasons) == 4
+    assert all("not the [..., :k] prefix of a softmax" in r for r in reasons), reasons

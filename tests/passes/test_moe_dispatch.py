@@ -1,0 +1,203 @@
+"""``moe_dispatch`` on the MoE layers of the tiny preset, of the tiny-fp8-fp4 golden checkpoint and of a
+tensor-parallel shard: what it matches, that the optimized layers keep the model's numerics (the golden band
+for the checkpoint's logits on the first sequence of its first case, to keep the interpreted kernels short),
+and why near-misses do not match.
+
+The MoE layers are compiled on their own (``optimize`` of a runner that calls the layer, Triton kernels under
+the interpreter, no Inductor): the graph is the model's MoE forward as captured inside the whole model, at a
+fraction of the compile time, and layers of one structure share it. The whole-model pipeline runs this pass
+in tests/test_optimize.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+import v4compile
+from v4compile.backend import make_backend
+from v4compile.codegen.registry import REGISTRY
+from v4compile.model import moe as moe_module
+from v4compile.model.linear import Linear
+from v4compile.passes.manager import PassManager
+from v4compile.passes.moe_dispatch import MoeDispatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from test_golden import _assert_in_band, _band  # noqa: E402
+
+
+class _Apply(nn.Module):
+    """Runs the MoE layer it is given: compiled once, its graph serves every layer of the same structure (the
+    hash-routed first layer and the score-routed rest), each call with that layer's weights as inputs."""
+
+    def forward(self, layer: nn.Module, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        return layer(x, input_ids)
+
+
+class _Compiled(nn.Module):
+    """Stands in for a model's MoE layer: calls the optimized ``_Apply`` on it."""
+
+    def __init__(self, optimized: v4compile.OptimizedModel, layer: nn.Module) -> None:
+        super().__init__()
+        self.optimized, self.layer = optimized, layer
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, routing: object = None, index: int = 0) -> torch.Tensor:
+        return self.optimized(self.layer, x, input_ids)
+
+
+def _stats(optimized: v4compile.OptimizedModel) -> list:
+    return [p for report in optimized.reports() for p in report.passes if p.name == "moe_dispatch"]
+
+
+def _optimized_logits(model: v4compile.DeepSeekV4, ids: torch.Tensor) -> tuple[v4compile.OptimizedModel, torch.Tensor,
+                                                                                int]:
+    """The model's logits with every MoE layer run through ``moe_dispatch`` and the Triton kernel, the optimized
+    runner, and how many MoE kernel calls the forward made."""
+    optimized = v4compile.optimize(_Apply(), backend="triton", passes=["moe_dispatch"], inductor=False)
+    originals = [layer.ffn for layer in model.layers]
+    before = sum(r.launches for n, r in REGISTRY.records.items() if n.startswith("moe_experts."))
+    try:
+        for layer, original in zip(model.layers, originals, strict=True):
+            layer.ffn = _Compiled(optimized, original)
+        with torch.no_grad():
+            logits = model(ids)
+    finally:
+        for layer, original in zip(model.layers, originals, strict=True):
+            layer.ffn = original
+    after = sum(r.launches for n, r in REGISTRY.records.items() if n.startswith("moe_experts."))
+    return optimized, logits, after - before
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_model: v4compile.DeepSeekV4) -> dict[str, object]:
+    ids = torch.randint(0, tiny_model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = tiny_model(ids)
+    optimized, got, calls = _optimized_logits(tiny_model, ids)
+    return {"optimized": optimized, "got": got, "want": want, "calls": calls}
+
+
+@pytest.fixture(scope="module")
+def golden_run(golden_root: Path, golden_models: dict) -> dict[str, object]:
+    model = golden_models["tiny-fp8-fp4"]
+    cases = load_file(str(golden_root / "tiny-fp8-fp4" / "cases.safetensors"))
+    ids, length = cases["case0.ids"][:1], int(cases["case0.prefill_len"])
+    rows = slice(length - 1, length - 1 + cases["case0.prefill_logits"].shape[1])
+    with torch.no_grad():
+        want = model(ids)[0, rows]
+    optimized, got, calls = _optimized_logits(model, ids)
+    return {"optimized": optimized, "got": got[0, rows], "want": want, "cases": cases, "calls": calls}
+
+
+def test_every_moe_layer_of_the_tiny_preset_is_rewritten(tiny_run: dict) -> None:
+    graphs = _stats(tiny_run["optimized"])
+    assert len(graphs) == 2 and tiny_run["calls"] == 4
+    for stats in graphs:
+        assert stats.near_misses == [], [m.reason for m in stats.near_misses]
+        [match] = stats.matches
+        assert match.kernel == "moe_experts.bf16.triton"
+        assert match.details | {"tokens": 0} == {"experts": 8, "first": 0, "top_k": 2, "format": "bf16",
+                                                 "pow2_scales": False, "swiglu_limit": 10.0, "tokens": 0,
+                                                 "dim": 128, "inter_dim": 64}
+    got, want = tiny_run["got"], tiny_run["want"]
+    assert F.cosine_similarity(got.flatten(0, 1), want.flatten(0, 1), dim=-1).min() > 0.9999
+
+
+def test_golden_fp8_fp4_layers_are_rewritten_and_stay_in_the_golden_band(golden_run: dict) -> None:
+    graphs = _stats(golden_run["optimized"])
+    assert len(graphs) == 2 and golden_run["calls"] == 4
+    for stats in graphs:
+        [match] = stats.matches
+        assert match.kernel == "moe_experts.fp4.triton"
+        assert (match.details["format"], match.details["pow2_scales"], match.details["experts"]) == ("fp4", True, 8)
+    got, want, cases = golden_run["got"], golden_run["want"], golden_run["cases"]
+    assert F.cosine_similarity(got, want, dim=-1).min() > 0.9999
+    _assert_in_band(_band(got, cases["case0.prefill_logits"][0], cases["case0.decode_logits"][0]),
+                    "tiny-fp8-fp4 case0 (first sequence) with moe_dispatch")
+
+
+def test_a_tensor_parallel_shard_sums_its_local_experts_before_the_all_reduce() -> None:
+    """Rank 1 of 2 holds experts 4..7 and slices combine columns 4..7; its all-reduce runs in a one-process gloo
+    group (the sum of one rank), so the shard's own output is compared with its eager run."""
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        shard = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=0, tp_rank=1, tp_size=2).eval()
+        layer = shard.layers[1].ffn
+        manager = PassManager([MoeDispatch()], backend="triton")
+        compiled = torch.compile(layer, backend=make_backend(manager, inductor=False), dynamic=False)
+        gen = torch.Generator().manual_seed(2)
+        x = torch.randn(2, 5, shard.config.dim, generator=gen).bfloat16()
+        ids = torch.randint(0, shard.config.vocab_size, (2, 5), generator=gen)
+        with torch.no_grad():
+            got, want = compiled(x, ids), layer(x, ids)
+    finally:
+        if started:
+            dist.destroy_process_group()
+    [stats] = manager.reports[0].passes
+    [match] = stats.matches
+    assert (match.details["first"], match.details["experts"]) == (4, 4)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2 * want.abs().max().item())
+
+
+def _near_misses(layer: nn.Module, dim: int, vocab: int) -> list[str]:
+    optimized = v4compile.optimize(layer, backend="reference", passes=["moe_dispatch"], inductor=False)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        optimized(torch.randn(1, 4, dim, generator=gen).bfloat16(), torch.randint(0, vocab, (1, 4), generator=gen))
+    [stats] = _stats(optimized)
+    assert stats.matches == []
+    return [m.reason for m in stats.near_misses]
+
+
+def test_an_expert_with_another_activation_is_a_near_miss(monkeypatch: pytest.MonkeyPatch,
+                                                          tiny_model: v4compile.DeepSeekV4) -> None:
+    def gelu_forward(self, x, weight=None):
+        """The model's expert with gelu in place of silu."""
+        h = F.gelu(self.w1(x).float().clamp(max=self.limit)) * self.w3(x).float().clamp(-self.limit, self.limit)
+        return self.w2((h if weight is None else weight * h).to(x.dtype))
+
+    monkeypatch.setattr(moe_module.Expert, "forward", gelu_forward)
+    config = tiny_model.config
+    [reason] = _near_misses(tiny_model.layers[2].ffn, config.dim, config.vocab_size)
+    assert reason == "term 0 of the expert sum: the gate activation is not silu (" + reason.split("(", 1)[1]
+
+
+def test_experts_summed_out_of_order_are_a_near_miss(monkeypatch: pytest.MonkeyPatch,
+                                                     tiny_model: v4compile.DeepSeekV4) -> None:
+    def reversed_forward(self, x, input_ids, routing=None, layer=0):
+        """The model's MoE forward with the routed experts summed from the last to the first."""
+        flat = x.reshape(-1, self.dim)
+        weights, ids = self.route(x, input_ids)
+        combine = torch.zeros(flat.shape[0], self.n_experts, dtype=torch.float32, device=x.device)
+        combine = combine.scatter(1, ids, weights)
+        y = torch.zeros(flat.shape, dtype=torch.float32, device=x.device)
+        for e, expert in reversed(list(enumerate(self.experts, start=self.first))):
+            y = y + expert(flat, combine[:, e : e + 1]).float()
+        return (y + self.shared_experts(flat).float()).to(x.dtype).view(x.shape)
+
+    monkeypatch.setattr(moe_module.MoE, "forward", reversed_forward)
+    config = tiny_model.config
+    assert _near_misses(tiny_model.layers[2].ffn, config.dim, config.vocab_size) == [
+        "term 1 reads routing column 6, expected 8 (the experts must be consecutive)"]
+
+
+def test_an_expert_in_an_unsupported_format_is_a_near_miss(tiny_model: v4compile.DeepSeekV4) -> None:
+    layer = copy.deepcopy(tiny_model.layers[2].ffn)
+    w1 = layer.experts[3].w1
+    layer.experts[3].w1 = Linear(w1.in_features, w1.out_features, "fp32")
+    with torch.no_grad():
+        layer.experts[3].w1.weight.copy_(w1.weight.float())
+    config = tiny_model.config
+    assert _near_misses(layer, config.dim, config.vocab_size) == [
+        "term 3 of the expert sum: w1: fp32 expert weights are not supported by the kernel (it takes "
+        "('fp4', 'fp8', 'bf16'))"]

@@ -1,0 +1,237 @@
+"""The stream schedule on the tiny preset's decode graph: every node scheduled once, every dependency ordered
+by the events, branches that may run side by side truly independent, V4's attention branches apart; the
+split run equals the whole graph bit for bit; the CLI report; on a GPU, scheduled == unscheduled bitwise,
+also inside a CUDA graph."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+from torch import fx
+
+import v4compile
+from v4compile import cli
+from v4compile.backend import make_backend
+from v4compile.debugging import sample_ids
+from v4compile.optimize import resolve_backend
+from v4compile.passes import PASSES, build_passes
+from v4compile.passes import stream_schedule as ss
+from v4compile.passes.manager import PassManager, summarize
+from v4compile.targets import target
+
+
+def _capture(model: v4compile.DeepSeekV4, manager: PassManager, ids: torch.Tensor, cache: v4compile.V4Cache,
+             inductor: bool = False) -> dict[str, Any]:
+    """Compiles ``model.decode_step`` with ``manager``; returns the graphs, what the backend returned, the fake
+    and the real inputs of the graph, and the compiled function."""
+    got: dict[str, Any] = {"captured": []}
+    inner = make_backend(manager, inductor=inductor, captured=got["captured"])
+
+    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        fn = inner(gm, example_inputs)
+        got.update(gm=gm, returned=fn, fakes=list(example_inputs))
+
+        def record(*args: Any) -> Any:
+            if "args" not in got:
+                got["args"] = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            return fn(*args)
+
+        return record
+
+    positions = torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
+    got["fn"] = torch.compile(model.decode_step, backend=backend, dynamic=False)
+    got["call"] = (ids[:, -1:], positions)
+    with torch.no_grad():
+        got["fn"](ids[:, -1:], positions, copy.deepcopy(cache))
+    got["rewritten"] = got["returned"] if isinstance(got["returned"], fx.GraphModule) else None
+    return got
+
+
+@pytest.fixture(scope="module")
+def decode(tiny_model: v4compile.DeepSeekV4) -> dict[str, Any]:
+    """The tiny preset's decode graph after every pass (streams planned for sm90 on this CPU)."""
+    ids = sample_ids(tiny_model)
+    cache = tiny_model.new_cache(ids.shape[0])
+    with torch.no_grad():
+        tiny_model(ids, cache=cache)
+    manager = PassManager(build_passes(list(PASSES)), backend="reference")
+    got = _capture(tiny_model, manager, ids, cache)
+    got["manager"] = manager
+    got["plan"] = next(p for p in manager.passes if p.name == "stream_schedule").plans[0]
+    got["dag"] = ss.dependency_graph(got["rewritten"].graph)
+    return got
+
+
+def test_on_cpu_the_graph_runs_unchanged(decode: dict[str, Any]) -> None:
+    assert isinstance(decode["returned"], fx.GraphModule)
+    assert ss.scheduled(decode["rewritten"], decode["fakes"], inductor=True) is None
+    stats = next(p for p in decode["manager"].reports[0].passes if p.name == "stream_schedule")
+    assert stats.enabled and stats.matches
+    assert all(m.kernel == "-" and m.details["target"] == "sm90" for m in stats.matches)
+
+
+def test_every_node_is_scheduled_once_and_every_dependency_is_ordered(decode: dict[str, Any]) -> None:
+    plan, dag = decode["plan"], decode["dag"]
+    assert len(plan.launch) == len(set(plan.launch)) == dag.number_of_nodes()
+    in_segments = [n for seg in plan.segments for n in seg.nodes]
+    assert in_segments == plan.launch
+    position = {n: i for i, n in enumerate(plan.launch)}
+    assert all(position[u] < position[v] for u, v in dag.edges)
+    assert ss.unordered_edges(dag, plan.segments) == []
+    dag2, segs = ss.executable_segments(decode["rewritten"])
+    assert [[n.name for n in s.nodes] for s in segs] == [[n.name for n in s.nodes] for s in plan.segments]
+    assert [s.waits for s in segs] == [s.waits for s in plan.segments]
+    assert ss.unordered_edges(dag2, segs) == []
+    streams = {s.stream for s in segs}
+    assert streams == set(range(target("sm90")["streams"]))
+    memory = [e for e in dag.edges(data=True) if e[2]["kind"] == "memory"]
+    assert memory, "cache writes and reads must be ordered"
+
+
+def test_branches_that_may_run_side_by_side_are_independent(decode: dict[str, Any]) -> None:
+    """Two segments on different streams that the events leave unordered have no path between them."""
+    plan, dag = decode["plan"], decode["dag"]
+    bit = {n: 1 << i for i, n in enumerate(plan.launch)}
+    reach: dict[fx.Node, int] = {}
+    for node in reversed(plan.launch):
+        reach[node] = 0
+        for succ in dag.successors(node):
+            reach[node] |= reach[succ] | bit[succ]
+    segs = plan.segments
+    before = ss.happens_before(segs)
+    own = [sum(bit[n] for n in s.nodes) for s in segs]
+    downstream = [0] * len(segs)
+    for s in segs:
+        for n in s.nodes:
+            downstream[s.id] |= reach[n]
+    concurrent = 0
+    for a in segs:
+        for b in segs[a.id + 1:]:
+            if a.stream == b.stream or (before[b.id] >> a.id) & 1:
+                continue
+            concurrent += 1
+            assert not downstream[a.id] & own[b.id] and not downstream[b.id] & own[a.id], (a.id, b.id)
+    assert concurrent > 10
+
+
+def _majority_stream(plan: ss.Plan, prefixes: tuple[str, ...]) -> int:
+    counts = Counter(plan.stream_of[n] for n in plan.launch if ss.module_path(n).startswith(prefixes))
+    return counts.most_common(1)[0][0]
+
+
+@pytest.mark.parametrize("layer", [1, 3])
+def test_a_c4_layer_runs_query_window_compressor_and_indexer_apart(decode: dict[str, Any], layer: int) -> None:
+    plan = decode["plan"]
+    at = f"layers.{layer}.attn."
+    query = _majority_stream(plan, (at + "wq_a", at + "q_norm", at + "wq_b"))
+    window = _majority_stream(plan, (at + "wkv", at + "kv_norm"))
+    compressor = _majority_stream(plan, (at + "compressor.",))
+    indexer = _majority_stream(plan, (at + "indexer.compressor.",))
+    assert len({query, window, compressor, indexer}) == 4
+    sections = [s for s in plan.sections if s.unit == f"layers.{layer}"]
+    names = " ".join(b.name for s in sections for b in s.branches)
+    assert all(word in names for word in ("wq_a", "wkv", "compressor", "indexer"))
+    kinds = {e.kind for s in sections for e in s.events}
+    assert {"fork", "join"} <= kinds
+
+
+def test_the_split_run_equals_the_whole_graph_bitwise(decode: dict[str, Any]) -> None:
+    gm = decode["rewritten"]
+    _, segs = ss.executable_segments(gm)
+    runner = ss.StreamRunner(gm, segs, decode["fakes"], lambda module, inputs: module)
+    whole = [a.clone() if isinstance(a, torch.Tensor) else a for a in decode["args"]]
+    split = [a.clone() if isinstance(a, torch.Tensor) else a for a in decode["args"]]
+    with torch.no_grad():
+        want, got = gm(*whole), runner(*split)
+    assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
+    assert all(torch.equal(w, g) for w, g in zip(whole, split, strict=True) if isinstance(w, torch.Tensor))
+
+
+def test_disabled_by_name_and_planned_for_one_stream_it_does_nothing(decode: dict[str, Any]) -> None:
+    assert "stream_schedule" in PASSES and list(PASSES)[-1] == "stream_schedule"
+    gm = decode["captured"][0]
+    manager = PassManager(build_passes(list(PASSES)), backend="reference", disable=("stream_schedule",))
+    manager.run(gm)
+    stats = next(p for p in manager.reports[0].passes if p.name == "stream_schedule")
+    assert not stats.enabled and not stats.matches
+    assert not any(ss.META_KEY in n.meta for n in gm.graph.nodes)
+    assert ss.executable_segments(gm) is None
+    rows = {r["pass"]: r for r in summarize(manager.reports)}
+    assert rows["stream_schedule"]["enabled"] is False
+    assert ss.make_plan(gm, "cpu", 10.0).sections == []
+    with pytest.raises(ValueError, match="unknown target 'sm00'"):
+        target("sm00")
+
+
+def test_the_schedule_command_prints_branches_streams_and_events(decode: dict[str, Any],
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(cli, "console", Console(width=250))
+    monkeypatch.setattr(cli, "_schedule_plans", lambda args: [("decode", decode["plan"])])
+    assert cli.main(["schedule"]) == 0
+    out = capsys.readouterr().out
+    assert "decode: target sm90 (4 streams)" in out and "regions" in out
+    for word in ("layers.1", "layers.3", "attn.compressor", "wq_a", "(main)", "s3", "fork s0 after", "join s"):
+        assert word in out, word
+    assert cli.main(["schedule", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["graph"] == "decode" and plan["streams"] == 4
+    assert all({"name", "stream", "kernels", "bytes", "flops", "us"} <= set(b) for s in plan["sections"]
+               for b in s["branches"])
+    assert cli.main(["schedule", "--target", "sm00"]) == 2
+    assert "unknown target 'sm00'" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inductor", [False, True], ids=["eager", "inductor"])
+def test_scheduled_equals_unscheduled_bitwise_on_gpu_also_in_a_cuda_graph(inductor: bool) -> None:
+    model = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=0, device="cuda").eval()
+    ids = sample_ids(model).cuda()
+    cache = model.new_cache(ids.shape[0])
+    with torch.no_grad():
+        model(ids, cache=cache)
+    options = {"stream_schedule": {"min_branch_us": 30.0}} if inductor else None
+    runs = {}
+    for name, disable in (("scheduled", ()), ("unscheduled", ("stream_schedule",))):
+        manager = PassManager(build_passes(list(PASSES), options), backend=resolve_backend("auto"), disable=disable)
+        runs[name] = _capture(model, manager, ids, cache, inductor=inductor)
+    assert isinstance(runs["scheduled"]["returned"], ss.StreamRunner)
+    assert not isinstance(runs["unscheduled"]["returned"], ss.StreamRunner)
+    results = {}
+    for name, got in runs.items():
+        caches = copy.deepcopy(cache), copy.deepcopy(cache)
+        with torch.no_grad():
+            plain = got["fn"](*got["call"], caches[0])
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                got["fn"](*got["call"], caches[1])
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                graphed = got["fn"](*got["call"], caches[1])
+            graph.replay()
+            torch.cuda.synchronize()
+        results[name] = plain, graphed, caches
+    (a, ga, ca), (b, gb, cb) = results["scheduled"], results["unscheduled"]
+    assert torch.equal(a, b) and torch.equal(ga, gb) and torch.equal(a, ga)
+    for x, y in zip(ca, cb, strict=True):
+        for tx, ty in zip(_tensors(x), _tensors(y), strict=True):
+            assert torch.equal(tx, ty)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor held by a cache object, in attribute order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    if hasattr(obj, "__dict__"):
+        return [t for value in vars(obj).values() for t in _tensors(value)]
+    return []

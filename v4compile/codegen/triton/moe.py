@@ -1,0 +1,405 @@
+"""Routed-expert dispatch in Triton: only the chosen (token, expert) pairs are computed.
+
+Six launches, no host syncs, every buffer sized by tokens x top_k (so the launch shapes depend on the batch
+shape alone and the sequence can be captured in a CUDA graph):
+1. ``moe_route``: one program per local expert scans the expert ids twice, counts the pairs that chose an
+   earlier expert (its offset) and writes its own pairs in token order (a stable counting sort); it also
+   records each pair's slot in that order (-1 for another rank's expert).
+2. ``moe_quant`` (FP8/FP4 experts): the activation's e4m3 simulation per 128 along K, exactly as
+   ``quant.fp8_simulate`` (same scale rule, power-of-two scales when asked, nearest-even rounding by
+   integer arithmetic, the product rounded to bf16); for FP4 each 128-block is stored even columns first,
+   so the kernel can pair them with the low and high nibbles of the packed weight bytes.
+3. ``moe_gemm`` gated: per (tile of one expert's pairs, block of the inter dim) the w1 and w3 products
+   with the weights dequantized in registers (e2m1 x e8m0 per 32, e4m3 x e8m0 per 128x128, or bf16),
+   fp32 accumulation, each rounded to bf16 as the model's Linear does, then the clamped SwiGLU times the
+   routing weight, rounded to bf16.
+4. ``moe_quant`` again on that hidden state (FP8/FP4), 5. ``moe_gemm`` with w2.
+6. ``moe_combine``: every token sums its experts' outputs in ascending expert order, the order of the
+   model's loop, in fp32; no atomics, so the result is deterministic (and equal to the model's sum when
+   the expert outputs are).
+
+The tile -> expert map is derived in every GEMM program from the per-expert counts (a cumsum over at most
+a few hundred entries), so no further launch is needed. Expert weights stay one tensor per expert (the
+model's layout): a device table holds each expert's element offset from the first expert's tensor, built
+once per set of data pointers (host work, cached; under CUDA-graph replay it is not redone, so the weights
+must keep their storage, which in-place updates do). Products of e4m3/e2m1 (times a power of two) and bf16
+values are exact in fp32, so bf16 tensor-core dots reproduce the model's products; only the fp32
+summation order differs. Triton's CPU interpreter cannot multiply bf16 tensors: there the operands are
+widened to fp32, with the same exact products, and multiplied by a broadcast product and sum (``tl_dot``
+False), since the interpreter's dot is numpy's unblocked matmul loop; ``tl_dot`` True runs the GPU's
+``tl.dot`` formulation there too (slower; the tests check both).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import triton
+
+from ..registry import REGISTRY
+from .compressor import triton_next_pow2
+from .formats import FORMATS_SOURCE
+from .launch import ROUND_BF16, load_triton_module, lowered_text
+
+FORMATS = ("fp4", "fp8", "bf16")
+QUANT_BLOCK = 128
+
+_SOURCE = '''
+import triton
+import triton.language as tl
+
+FMT = tl.constexpr("{fmt}")
+DOT = tl.{dot}
+''' + ROUND_BF16 + FORMATS_SOURCE + '''
+
+
+@triton.jit
+def moe_route(IDS, COUNTS, SORTED, SLOT, n_pairs, first, n_local, BLOCK: tl.constexpr):
+    e = tl.program_id(0)
+    below = tl.sum(tl.zeros([BLOCK], tl.int32), 0)
+    for p0 in range(0, n_pairs, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        key = tl.load(IDS + p, mask=p < n_pairs, other=-1).to(tl.int32) - first
+        valid = (p < n_pairs) & (key >= 0) & (key < n_local)
+        below += tl.sum((valid & (key < e)).to(tl.int32), 0)
+    seen = tl.sum(tl.zeros([BLOCK], tl.int32), 0)
+    for p0 in range(0, n_pairs, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        key = tl.load(IDS + p, mask=p < n_pairs, other=-1).to(tl.int32) - first
+        valid = (p < n_pairs) & (key >= 0) & (key < n_local)
+        mine = valid & (key == e)
+        slot = below + seen + tl.cumsum(mine.to(tl.int32), 0) - 1
+        tl.store(SORTED + slot, p, mask=mine)
+        elsewhere = (p < n_pairs) & ((key < 0) | (key >= n_local)) & ((tl.zeros([BLOCK], tl.int32) + e) == 0)
+        tl.store(SLOT + p, tl.where(mine, slot, -1), mask=mine | elsewhere)
+        seen += tl.sum(mine.to(tl.int32), 0)
+    tl.store(COUNTS + e, seen)
+
+
+@triton.jit
+def _n_valid(COUNTS, n_local, E_BLOCK: tl.constexpr):
+    e = tl.arange(0, E_BLOCK)
+    return tl.sum(tl.load(COUNTS + e, mask=e < n_local, other=0), 0)
+
+
+@triton.jit
+def moe_quant(X, OUT, COUNTS, rows, n_local, s_x, s_o, POW2: tl.constexpr, PERMUTE: tl.constexpr,
+              COUNTED: tl.constexpr, BR: tl.constexpr, E_BLOCK: tl.constexpr):
+    if COUNTED:
+        rows = _n_valid(COUNTS, n_local, E_BLOCK)
+    if tl.program_id(0) * BR >= rows:
+        return
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    j = tl.arange(0, 128)
+    c = tl.program_id(1) * 128 + j
+    rm = r < rows
+    x = tl.load(X + r[:, None] * s_x + c[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), 448.0)
+    if POW2:
+        floor = _exp2i(((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)
+        scale = tl.where(floor == scale, scale, floor * 2.0)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
+    y = _round_bf16(_round_e4m3(v) * scale[:, None])
+    if PERMUTE:
+        c = tl.program_id(1) * 128 + (j % 2) * 64 + j // 2
+    tl.store(OUT + r[:, None] * s_o + c[None, :], y.to(tl.bfloat16), mask=rm[:, None])
+
+
+@triton.jit
+def _locate(COUNTS, n_local, tile, BM: tl.constexpr, E_BLOCK: tl.constexpr):
+    # expert of a row tile, its first row among the expert's pairs, the expert's pair offset and count
+    e_idx = tl.arange(0, E_BLOCK)
+    cnt = tl.load(COUNTS + e_idx, mask=e_idx < n_local, other=0)
+    tiles = (cnt + BM - 1) // BM
+    ends = tl.cumsum(tiles, 0)
+    e = tl.sum((ends <= tile).to(tl.int32), 0)
+    start = tl.sum(tl.where(e_idx == e, ends - tiles, 0), 0)
+    offset = tl.sum(tl.where(e_idx < e, cnt, 0), 0)
+    count = tl.sum(tl.where(e_idx == e, cnt, 0), 0)
+    return e, (tile - start) * BM, offset, count
+
+
+@triton.jit
+def _e2m1_pair(packed):
+    # the e2m1 values of the low and the high nibble of each packed byte
+    return _e2m1(packed & 15), _e2m1((packed >> 4) & 15)
+
+
+@triton.jit
+def _dot_w(a0, a1, W, S, n, nm, k0, K, s_w, s_s, BK: tl.constexpr, TL_DOT: tl.constexpr):
+    # a's product with the expert weight rows n, columns k0..k0+BK (whole 128-blocks for FP8/FP4), dequantized in
+    # registers; for FP4, a0 and a1 hold the even and the odd columns (the low and high nibbles). TL_DOT: tensor
+    # cores; else a broadcast product and sum (the interpreter's dot is numpy's slow unblocked matmul loop)
+    if FMT == "fp4":
+        j = k0 // 2 + tl.arange(0, BK // 2)
+        packed = tl.load(W + n[:, None] * s_w + j[None, :], mask=nm[:, None], other=0)
+        scale = _e8m0(tl.load(S + n[:, None] * s_s + (j // 16)[None, :], mask=nm[:, None], other=127))
+        lo, hi = _e2m1_pair(packed)
+        w0 = (lo * scale).to(DOT)
+        w1 = (hi * scale).to(DOT)
+    else:
+        k = k0 + tl.arange(0, BK)
+        if FMT == "fp8":
+            codes = tl.load(W + n[:, None] * s_w + k[None, :], mask=nm[:, None], other=0)
+            scale = _e8m0(tl.load(S + (n // 128)[:, None] * s_s + (k // 128)[None, :], mask=nm[:, None], other=127))
+            w0 = (_e4m3(codes) * scale).to(DOT)
+        else:
+            w0 = tl.load(W + n[:, None] * s_w + k[None, :], mask=nm[:, None] & (k < K)[None, :], other=0.0).to(DOT)
+        w1 = w0
+    if TL_DOT:
+        acc = tl.dot(a0, tl.trans(w0), input_precision="ieee")
+        if FMT == "fp4":
+            acc += tl.dot(a1, tl.trans(w1), input_precision="ieee")
+    else:
+        acc = tl.sum(a0[:, None, :] * w0[None, :, :], axis=2)
+        if FMT == "fp4":
+            acc += tl.sum(a1[:, None, :] * w1[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def moe_gemm(A, COMBINE, SORTED, COUNTS, W_A, W_B, S_A, S_B, OFFSETS, OUT, n_local, first, top_k, N, K,
+             s_a, s_c, s_o, s_w, s_s, limit, GATED: tl.constexpr, CLAMP: tl.constexpr, ALIGN: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_BLOCK: tl.constexpr, TL_DOT: tl.constexpr):
+    # GATED: OUT[slot] = bf16(weight * silu(min(bf16(A W_A^T), L)) * clamp(bf16(A W_B^T), -L, L)) with A's
+    # rows gathered by token; else OUT[slot] = bf16(A[slot] W_A^T). An expert's tensor is its group's first
+    # tensor plus its offset from the table (w1, w3, w2, s1, s3, s2); ALIGN divides every weight offset, which
+    # lets the compiler vectorize the weight loads
+    e, row0, offset, count = _locate(COUNTS, n_local, tl.program_id(0), BM, E_BLOCK)
+    if e >= n_local:
+        return
+    r = row0 + tl.arange(0, BM)
+    rm = r < count
+    slot = offset + r
+    sa = S_A
+    sb = S_B
+    if GATED:
+        rows = tl.load(SORTED + slot, mask=rm, other=0) // top_k
+        wa = W_A + (tl.load(OFFSETS + e) // ALIGN) * ALIGN
+        wb = W_B + (tl.load(OFFSETS + n_local + e) // ALIGN) * ALIGN
+        if FMT != "bf16":
+            sa = S_A + tl.load(OFFSETS + 3 * n_local + e)
+            sb = S_B + tl.load(OFFSETS + 4 * n_local + e)
+    else:
+        rows = slot
+        wa = W_A + (tl.load(OFFSETS + 2 * n_local + e) // ALIGN) * ALIGN
+        wb = wa
+        if FMT != "bf16":
+            sa = S_A + tl.load(OFFSETS + 5 * n_local + e)
+            sb = sa
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < N
+    acc_a = tl.zeros([BM, BN], tl.float32)
+    acc_b = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        if FMT == "fp4":
+            # A's 128-blocks hold their even columns first (moe_quant's PERMUTE), so both halves load contiguously
+            j = tl.arange(0, BK // 2)
+            col = k0 + (j // 64) * 128 + j % 64
+            a0 = tl.load(A + rows[:, None] * s_a + col[None, :], mask=rm[:, None], other=0.0).to(DOT)
+            a1 = tl.load(A + rows[:, None] * s_a + (col + 64)[None, :], mask=rm[:, None], other=0.0).to(DOT)
+        else:
+            k = k0 + tl.arange(0, BK)
+            a0 = tl.load(A + rows[:, None] * s_a + k[None, :], mask=rm[:, None] & (k < K)[None, :],
+                         other=0.0).to(DOT)
+            a1 = a0
+        acc_a += _dot_w(a0, a1, wa, sa, n, nm, k0, K, s_w, s_s, BK, TL_DOT)
+        if GATED:
+            acc_b += _dot_w(a0, a1, wb, sb, n, nm, k0, K, s_w, s_s, BK, TL_DOT)
+    out = _round_bf16(acc_a)
+    if GATED:
+        up = _round_bf16(acc_b)
+        if CLAMP:
+            out = tl.minimum(out, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        weight = tl.load(COMBINE + rows * s_c + first + e, mask=rm, other=0.0)
+        out = _round_bf16(weight[:, None] * (out / (1.0 + tl.exp(-out)) * up))
+    tl.store(OUT + slot[:, None] * s_o + n[None, :], out.to(tl.bfloat16), mask=rm[:, None] & nm[None, :])
+
+
+@triton.jit
+def moe_combine(IDS, SLOT, OUT, Y, tokens, dim, top_k, s_o, s_y,
+                BT: tl.constexpr, BD: tl.constexpr, KP: tl.constexpr):
+    # y[t] = sum of t's expert outputs in ascending expert order (a repeated id counts once)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    j = tl.arange(0, KP)
+    tm = t < tokens
+    jm = tm[:, None] & (j < top_k)[None, :]
+    ids = tl.load(IDS + t[:, None] * top_k + j[None, :], mask=jm, other=2**62)
+    slot = tl.load(SLOT + t[:, None] * top_k + j[None, :], mask=jm, other=-1)
+    same = ids[:, :, None] == ids[:, None, :]
+    earlier = j[None, :, None] > j[None, None, :]
+    rank = tl.sum(((ids[:, None, :] < ids[:, :, None]) | (same & earlier)).to(tl.int32), 2)
+    use = (slot >= 0) & (tl.sum((same & earlier).to(tl.int32), 2) == 0)
+    acc = tl.zeros([BT, BD], tl.float32)
+    for i in tl.static_range(KP):
+        pick = rank == i
+        row = tl.sum(tl.where(pick, slot, 0), 1)
+        take = tl.sum((pick & use).to(tl.int32), 1) > 0
+        acc += tl.load(OUT + row[:, None] * s_o + d[None, :], mask=take[:, None] & (d < dim)[None, :],
+                       other=0.0).to(tl.float32)
+    tl.store(Y + t[:, None] * s_y + d[None, :], acc, mask=tm[:, None] & (d < dim)[None, :])
+'''
+
+
+def kernel_name(fmt: str) -> str:
+    """Stable kernel name, e.g. ``moe_experts.fp4.triton``."""
+    return f"moe_experts.{fmt}.triton"
+
+
+def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, cuda: bool) -> dict[str, int]:
+    """Row tiles sized by the mean pairs per expert (16 rows, the tensor cores' minimum, while decoding;
+    128 once experts see hundreds of tokens), 64-128 wide output blocks, K blocks of 128 (the quantization
+    block; ``BK`` is the largest K block, each GEMM takes the largest that fits its K in whole quantization
+    blocks); the interpreter gets few, large programs (its cost is per program and op, not per element)."""
+    if not cuda:
+        return {"BM": 16, "BN1": min(256, triton_next_pow2(inter)), "BN2": min(256, triton_next_pow2(dim)),
+                "BK": 512, "BT": 64, "BD": triton_next_pow2(dim), "BR": 64, "tl_dot": False, "num_warps": 4,
+                "num_stages": 1}
+    per_expert = pairs / max(n_local, 1)
+    if per_expert <= 16:
+        tiles = {"BM": 16, "BN1": 64, "BN2": 64, "num_warps": 4, "num_stages": 4}
+    elif per_expert <= 64:
+        tiles = {"BM": 64, "BN1": 64, "BN2": 128, "num_warps": 4, "num_stages": 3}
+    else:
+        tiles = {"BM": 128, "BN1": 64, "BN2": 128, "num_warps": 8, "num_stages": 3}
+    return {**tiles, "BK": 128, "BT": 1 if tokens < 512 else 4, "BD": 512, "BR": 16, "tl_dot": True}
+
+
+_TABLES: OrderedDict[tuple[int, ...], tuple[torch.Tensor, int]] = OrderedDict()
+_TABLES_KEPT = 512
+
+
+def offset_table(groups: list[list[torch.Tensor]]) -> tuple[torch.Tensor, int]:
+    """Device table of every expert tensor's element offset from its group's first tensor (groups w1, w3, w2,
+    then the scales), and the largest power of two up to 16 that divides every weight offset. Cached by the
+    data pointers: shapes, dtypes and layout are checked and the table is copied to the device once per weight
+    set; a lookup still reads every pointer (a few hundred microseconds for 256 experts, host time that a
+    CUDA-graph replay does not repeat)."""
+    key = tuple(t.data_ptr() for group in groups for t in group)
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        return hit
+    offsets: list[int] = []
+    for group in groups:
+        base = group[0]
+        for t in group:
+            if t.shape != base.shape or t.dtype != base.dtype or t.device != base.device or not t.is_contiguous():
+                raise ValueError(f"expert tensors differ in shape, dtype, device or layout: {tuple(t.shape)} "
+                                 f"{t.dtype} vs {tuple(base.shape)} {base.dtype}")
+            offsets.append((t.data_ptr() - base.data_ptr()) // base.element_size())
+    align = 16
+    weights = offsets[: sum(len(g) for g in groups[:3])]
+    while align > 1 and any(o % align for o in weights):
+        align //= 2
+    hit = (torch.tensor(offsets, dtype=torch.int64, device=groups[0][0].device), align)
+    _TABLES[key] = hit
+    if len(_TABLES) > _TABLES_KEPT:
+        _TABLES.popitem(last=False)
+    return hit
+
+
+def _module(fmt: str, cuda: bool) -> object:
+    return REGISTRY.build(kernel_name(fmt), "triton", "v4compile::moe_experts",
+                          lambda: _SOURCE.format(fmt=fmt, dot="bfloat16" if cuda else "float32"),
+                          lambda path: load_triton_module(path, not cuda), key=(cuda, fmt))
+
+
+def simulate_fp8(x: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """The kernel's activation quantization alone on bf16 rows x [R, C] (C a multiple of 128): equal to
+    ``quant.fp8_simulate(x, 128, pow2)`` bit for bit (for tests and debugging)."""
+    module = _module("fp8", x.device.type == "cuda")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    module.moe_quant[(triton.cdiv(x.shape[0], 16), x.shape[1] // QUANT_BLOCK)](
+        x, out, x, x.shape[0], 0, x.stride(0), out.stride(0), POW2=pow2, PERMUTE=False, COUNTED=False, BR=16,
+        E_BLOCK=1)
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.bfloat16 else t.view(torch.uint8)
+
+
+def moe_experts(x: torch.Tensor, combine: torch.Tensor, ids: torch.Tensor, first: int, w1: list[torch.Tensor],
+                w3: list[torch.Tensor], w2: list[torch.Tensor], s1: list[torch.Tensor], s3: list[torch.Tensor],
+                s2: list[torch.Tensor], fmt: str, pow2: bool, limit: float,
+                config: dict[str, int] | None = None) -> torch.Tensor:
+    """Triton body of ``v4compile::moe_experts``: x [T, D] bf16, combine [T, E] fp32 routing weights, ids [T, k]
+    chosen experts, local experts ``first..first+len(w1)-1`` -> y [T, D] fp32 (the model's expert sum).
+    ``config`` overrides the launch configuration (benchmark sweeps)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"the MoE kernel supports expert formats {FORMATS}, got {fmt!r}")
+    tokens, dim = x.shape
+    top_k, n_local, inter = ids.shape[1], len(w1), w1[0].shape[0]
+    quantized = fmt != "bf16"
+    if quantized and (dim % QUANT_BLOCK or inter % QUANT_BLOCK):
+        raise ValueError(f"quantized experts need dim {dim} and inter dim {inter} divisible by {QUANT_BLOCK}")
+    cuda = x.device.type == "cuda"
+    name = kernel_name(fmt)
+    module = _module(fmt, cuda)
+    groups = [w1, w3, w2, *((s1, s3, s2) if quantized else ())]
+    offsets, align = offset_table(groups)
+    bases = [_bytes(g[0]) for g in groups]
+    if not quantized:
+        bases += bases[:3]
+    pairs = tokens * top_k
+    config = config or launch_config(pairs, n_local, tokens, dim, inter, cuda)
+    bm = config["BM"]
+    e_block = triton_next_pow2(n_local)
+    device = x.device
+    x, combine, ids = x.contiguous(), combine.contiguous(), ids.contiguous()
+    counts = torch.empty(n_local, dtype=torch.int32, device=device)
+    order = torch.empty(pairs, dtype=torch.int32, device=device)
+    slots = torch.empty(pairs, dtype=torch.int32, device=device)
+    hidden = torch.empty(pairs, inter, dtype=torch.bfloat16, device=device)
+    hidden_q = torch.empty_like(hidden) if quantized else hidden
+    x_q = torch.empty_like(x) if quantized else x
+    out = torch.empty(pairs, dim, dtype=torch.bfloat16, device=device)
+    y = torch.empty(tokens, dim, dtype=torch.float32, device=device)
+    tiles = min(pairs, triton.cdiv(pairs, bm) + min(n_local, pairs))
+    warps, stages = config["num_warps"], config["num_stages"]
+
+    def quant(src: torch.Tensor, dst: torch.Tensor, counted: bool) -> None:
+        grid = (triton.cdiv(src.shape[0], config["BR"]), src.shape[1] // QUANT_BLOCK)
+        module.moe_quant[grid](src, dst, counts, src.shape[0], n_local, src.stride(0), dst.stride(0), POW2=pow2,
+                               PERMUTE=fmt == "fp4", COUNTED=counted, BR=config["BR"], E_BLOCK=e_block)
+
+    def k_block(k: int) -> int:
+        if not quantized:
+            return min(config["BK"], 64 if cuda else triton_next_pow2(k))
+        blocks = 1
+        while blocks * 2 * QUANT_BLOCK <= config["BK"] and k % (blocks * 2 * QUANT_BLOCK) == 0:
+            blocks *= 2
+        return blocks * QUANT_BLOCK
+
+    def gemm(a: torch.Tensor, dst: torch.Tensor, gated: bool, n: int, k: int, bn: int) -> None:
+        w = (bases[0], bases[1], bases[3], bases[4]) if gated else (bases[2], bases[2], bases[5], bases[5])
+        row = {"fp4": (k // 2, k // 32), "fp8": (k, triton.cdiv(k, QUANT_BLOCK)), "bf16": (k, 0)}[fmt]
+        module.moe_gemm[(tiles, triton.cdiv(n, bn))](
+            a, combine, order, counts, *w, offsets, dst, n_local, first, top_k, n, k, a.stride(0),
+            combine.stride(0), dst.stride(0), *row, float(limit),
+            GATED=gated, CLAMP=limit > 0, ALIGN=align, BM=bm, BN=bn, BK=k_block(k), E_BLOCK=e_block,
+            TL_DOT=config["tl_dot"], num_warps=warps, num_stages=stages)
+
+    def run() -> None:
+        module.moe_route[(n_local,)](ids, counts, order, slots, pairs, first, n_local, BLOCK=1024)
+        if quantized:
+            quant(x, x_q, False)
+        gemm(x_q, hidden, True, inter, dim, config["BN1"])
+        if quantized:
+            quant(hidden, hidden_q, True)
+        gemm(hidden_q, out, False, dim, inter, config["BN2"])
+        module.moe_combine[(triton.cdiv(tokens, config["BT"]), triton.cdiv(dim, config["BD"]))](
+            ids, slots, out, y, tokens, dim, top_k, out.stride(0), y.stride(0), BT=config["BT"], BD=config["BD"],
+            KP=triton_next_pow2(top_k))
+
+    if tokens:
+        REGISTRY.launch(name, run)
+        REGISTRY.note_launch(name, tiles=tiles, experts=n_local, pairs=pairs, **config)
+        if cuda and REGISTRY.records[name].lowered is None:
+            REGISTRY.set_lowered(name, lowered_text(module.moe_gemm) or "")
+    return y

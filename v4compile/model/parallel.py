@@ -1,0 +1,139 @@
+"""Tensor parallelism: which part of every tensor a rank holds, and the collectives the model calls.
+
+With ``size`` ranks, rank r holds part r of every split dimension:
+- query heads (``attn.wq_b`` rows, ``attn_sink``) and indexer heads (``indexer.wq_b`` and
+  ``indexer.weights_proj`` rows) are column-parallel; the indexer's per-head scores are summed
+  across ranks before the top-k, so every rank selects the same entries;
+- the grouped output projection is row-parallel: the local groups' ``wo_a`` rows and the matching
+  input columns of ``wo_b``, whose partial outputs are all-reduced;
+- routed experts are sharded: rank r holds experts r*E/size .. (r+1)*E/size-1 (local names count
+  from 0); the partial MoE outputs are all-reduced, then the replicated shared expert is added;
+- embedding and output head are vocab-parallel: a masked local lookup plus an all-reduce, and
+  local logits all-gathered along the vocabulary.
+Everything else (KV, compressors, mHC, norms, router, shared expert, MTP projections) is replicated.
+The collectives are ``torch.ops._c10d_functional`` ops, which torch.compile captures into the graph.
+At ``size == 1`` every helper returns its input: the model runs exactly the single-process code.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import quant
+from .config import ConfigError, V4Config
+
+SPLIT_FIELDS = ("n_heads", "index_n_heads", "o_groups", "n_routed_experts", "vocab_size")
+"""Config fields the tensor-parallel degree must divide."""
+
+_SPLIT_DIMS: tuple[tuple[re.Pattern[str], int], ...] = tuple((re.compile(p), d) for p, d in (
+    (r"^embed\.weight$", 0),
+    (r"^head\.weight$", 0),
+    (r"\.attn\.attn_sink$", 0),
+    (r"\.attn\.wq_b\.(weight|scale)$", 0),
+    (r"\.attn\.wo_a\.weight$", 0),
+    (r"\.attn\.wo_b\.(weight|scale)$", 1),
+    (r"\.indexer\.wq_b\.(weight|scale)$", 0),
+    (r"\.indexer\.weights_proj\.weight$", 0),
+))
+_EXPERT = re.compile(r"^(.*\.ffn\.experts\.)(\d+)(\..*)$")
+
+
+class Placement(NamedTuple):
+    """Where a rank keeps its part of a full tensor: the local name and the rows ``start:stop`` of ``dim``
+    (``dim`` None: the whole tensor)."""
+
+    name: str
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``full``."""
+        return full if self.dim is None else full.narrow(self.dim, self.start, self.stop - self.start)
+
+
+def check_degree(config: V4Config, size: int, rank: int = 0) -> None:
+    """Raises ConfigError (a ValueError) naming the field when ``size`` ranks cannot split ``config``:
+    a split field it does not divide, a rank out of range, or an FP8 weight whose per-rank part would cut
+    through its 128x128 scale blocks. Called before any weight is built or read."""
+    if size < 1 or not 0 <= rank < size:
+        raise ConfigError(f"tensor-parallel rank {rank} of size {size} is invalid: need size >= 1 and 0 <= rank < size")
+    for name in SPLIT_FIELDS:
+        value = getattr(config, name)
+        if value % size:
+            raise ConfigError(f"tensor-parallel degree {size} does not divide {name} = {value}")
+    if not config.weights_fp8 or size == 1:
+        return
+    block = quant.FP8_WEIGHT_BLOCK
+    c = config
+    parts = (
+        ("attn.wq_b rows (n_heads/tp * head_dim)", c.n_heads // size * c.head_dim),
+        ("attn.wo_b input columns and wo_a rows (o_groups/tp * o_lora_rank)", c.o_groups // size * c.o_lora_rank),
+        ("attn.indexer.wq_b rows (index_n_heads/tp * index_head_dim)", c.index_n_heads // size * c.index_head_dim),
+    )
+    for what, width in parts:
+        if width % block:
+            raise ConfigError(f"FP8 weight {what} = {width} per rank at tensor-parallel degree {size} is not a "
+                              f"multiple of the {block}-wide scale block, so it cannot be split on a block boundary")
+
+
+@dataclass
+class TensorParallel:
+    """This process's place in a tensor-parallel group: ``rank`` of ``size``. ``group_name`` names the
+    process group the collectives run on (the default group, bound on first use or by ``bind``)."""
+
+    rank: int = 0
+    size: int = 1
+    group_name: str | None = None
+
+    def part(self, total: int) -> tuple[int, int]:
+        """This rank's range ``start, stop`` of ``total`` items split evenly."""
+        step = total // self.size
+        return self.rank * step, (self.rank + 1) * step
+
+    def bind(self, group: dist.ProcessGroup | None = None) -> None:
+        """Names the process group the collectives use (default: the initialised default group)."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(f"a tensor-parallel model (tp={self.size}) runs inside an initialised process group: "
+                               "start it with torchrun and call torch.distributed.init_process_group first")
+        self.group_name = (group or dist.group.WORLD).group_name
+
+    def _group(self) -> str:
+        if self.group_name is None:
+            self.bind()
+        return self.group_name
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the ranks (``x`` itself at size 1)."""
+        if self.size == 1:
+            return x
+        ops = torch.ops._c10d_functional
+        return ops.wait_tensor(ops.all_reduce(x, "sum", self._group()))
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along the last dim in rank order (``x`` itself at size 1)."""
+        if self.size == 1:
+            return x
+        ops = torch.ops._c10d_functional
+        gathered = ops.wait_tensor(ops.all_gather_into_tensor(x.contiguous(), self.size, self._group()))
+        return torch.cat(gathered.chunk(self.size, dim=0), dim=-1)
+
+    def placement(self, name: str, shape: tuple[int, ...], config: V4Config) -> Placement | None:
+        """Where this rank keeps full tensor ``name`` (official name, full ``shape``): None when another
+        rank holds it (a routed expert of another rank), else its local name and the part of the tensor."""
+        if self.size == 1:
+            return Placement(name)
+        expert = _EXPERT.match(name)
+        if expert is not None:
+            first, stop = self.part(config.n_routed_experts)
+            e = int(expert.group(2))
+            return Placement(f"{expert.group(1)}{e - first}{expert.group(3)}") if first <= e < stop else None
+        for pattern, dim in _SPLIT_DIMS:
+            if pattern.search(name):
+                return Placement(name, dim, *self.part(shape[dim]))
+        return Placement(name)

@@ -1,0 +1,370 @@
+"""``mhc_tiling``: the mHC pre and post steps (model/mhc.py) each become one op over split-K Triton kernels.
+
+Pre form (``hc_pre``): ``m = linear(vec(X).float(), fn) * rsqrt(mean(vec(X)^2, -1) + eps)``, sliced into
+``[:n]``, ``[n:2n]``, ``[2n:]``, each ``* scale[i] + base[slice]``; ``pre = sigmoid(.) + hc_eps``,
+``post = 2 * sigmoid(.)``, ``comb`` = Sinkhorn of the ``n x n`` rest (row softmax + eps, a column step,
+then row/column pairs, every step ``c / (sum + eps)``); ``y = (pre.unsqueeze(-1) * vec(X).view(X.shape))
+.sum(-2).to(X.dtype)`` -> ``mhc_pre(X, fn, scale, base, iters, hc_eps, norm_eps)``. The output head's
+``hc_head`` (n mixes, no Sinkhorn) is a near-miss.
+
+Post form (``hc_post``): ``(post.unsqueeze(-1) * y.unsqueeze(-2) + (comb.unsqueeze(-1) * X.unsqueeze(-2))
+.sum(-3)).to(y.dtype)`` -> ``mhc_post(y, X, post, comb)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import fx
+
+from ..codegen import ops
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, shape
+
+aten = torch.ops.aten
+END = 2**63 - 1
+
+
+def _dtype(node: object) -> torch.dtype | None:
+    """The dtype of a node's traced value (None when unknown, e.g. an earlier rewrite's output)."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _dims(node: fx.Node, index: int, ndim: int) -> list[int]:
+    """The reduction dims argument of ``node`` normalised to 0..ndim-1."""
+    dims = node.args[index] if len(node.args) > index else node.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    return [d % ndim for d in dims]
+
+
+def _keepdim(node: fx.Node, index: int) -> bool:
+    """The keepdim argument of a reduction ``node``."""
+    return bool(node.args[index] if len(node.args) > index else node.kwargs.get("keepdim", False))
+
+
+def _other(node: fx.Node, one: fx.Node) -> object:
+    """The operand of a binary ``node`` that is not ``one``."""
+    a, b = node.args[:2]
+    return b if a is one else a
+
+
+class _Region:
+    """The nodes a match will remove; ``follow`` walks single-user chains and records them."""
+
+    def __init__(self) -> None:
+        self.nodes: set[fx.Node] = set()
+
+    def add(self, *nodes: object) -> None:
+        self.nodes.update(n for n in nodes if isinstance(n, fx.Node))
+
+    def follow(self, node: fx.Node, targets: object, why: str) -> fx.Node:
+        """``node``'s only user, which must be a call of ``targets`` (one op or a tuple; else NoMatch(why))."""
+        users = list(node.users)
+        if len(users) != 1 or not is_op(users[0], *(targets if isinstance(targets, tuple) else (targets,))):
+            raise NoMatch(why)
+        self.add(users[0])
+        return users[0]
+
+    def check_closed(self, outputs: Iterable[fx.Node], what: str) -> None:
+        """Every node of the region but its outputs is used only inside it (so the whole region goes)."""
+        outputs = set(outputs)
+        for node in self.nodes - outputs:
+            outside = [u.name for u in node.users if u not in self.nodes]
+            if outside:
+                raise NoMatch(f"{node.name} inside {what} is also used outside it (by {', '.join(outside)})")
+
+
+def _bounds(node: fx.Node, size: int) -> tuple[int, int]:
+    """(start, end) of an ``aten.slice`` over a dim of ``size``, the end clamped to it."""
+    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+    end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else END
+    return start, min(end, size)
+
+
+def _scalar(node: fx.Node, value: object, what: str) -> float:
+    """The Python scalar operand of a binary op ``node`` whose tensor operand is ``value``."""
+    other = _other(node, value)
+    if isinstance(other, fx.Node) or other is None:
+        raise NoMatch(f"{what} is not a constant")
+    return float(other)
+
+
+class MhcTiling(GraphPass):
+    """mHC pre (projection, RMS scale, sigmoids, Sinkhorn, weighted sum) and post (post*y + comb^T X) -> ops."""
+
+    name = "mhc_tiling"
+    summary = "fuse the mHC pre step (split-K projection, sigmoids, Sinkhorn, stream sum) and post step into kernels"
+    matches = ("hc_pre: linear(vec(X), fn) * rsqrt(mean(vec(X)^2)+eps) -> pre/post/comb mixes -> Sinkhorn -> "
+               "sum_j pre_j X_j; hc_post: post*y + (comb.unsqueeze(-1) * X.unsqueeze(-2)).sum(-3)")
+    tolerance = 1e-2
+    """y and the new streams are bf16: a value next to a rounding boundary may land one bf16 step away (at most
+    2^-7 of it) where the fp32 sums differ from PyTorch's in their last bits; post and comb agree to about 1e-6."""
+
+    def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
+        """Projections multiplied by an rsqrt (hc_pre, hc_head) and sums of a product of two unsqueezed
+        operands (the stream mixing of hc_post)."""
+        found = []
+        for node in gm.graph.nodes:
+            if is_op(node, aten.linear) and any(is_op(u, aten.mul) and is_op(_other(u, node), aten.rsqrt)
+                                                for u in node.users):
+                found.append(node)
+            elif is_op(node, aten.sum) and is_op(node.args[0], aten.mul) and \
+                    all(is_op(a, aten.unsqueeze) for a in node.args[0].args[:2]):
+                found.append(node)
+        return found
+
+    def analyze(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
+        """The pre step from its projection, or the post step from its mixing sum."""
+        if is_op(node, aten.linear):
+            return self._pre(node, ctx)
+        return self._post(node, ctx)
+
+    # ------------------------------------------------------------------------------------------------ pre
+    def _pre(self, linear: fx.Node, ctx: RewriteContext) -> Rewrite:
+        region = _Region()
+        region.add(linear)
+        if len(linear.args) > 2 and linear.args[2] is not None:
+            raise NoMatch("the projection has a bias")
+        flat, fn = linear.args[:2]
+        x, streams, x_dtype = self._vec_streams(flat, region)
+        n, dim = streams[-2:]
+        mixes = shape(fn)
+        if mixes is None or mixes[1] != n * dim:
+            raise NoMatch(f"fn {mixes} does not project vec(X) of width n*D = {n * dim}")
+        if mixes[0] == n:
+            raise NoMatch(f"projects onto {n} mixes = n: the output head's collapse (hc_head: pre weights only, "
+                          f"no post/comb, no Sinkhorn)")
+        if mixes[0] != (2 + n) * n:
+            raise NoMatch(f"projects onto {mixes[0]} mixes, not (2+n)n = {(2 + n) * n} for n = {n} streams")
+        m, norm_eps = self._rms_scaled(linear, flat, region)
+        slices = self._slices(m, n, region)
+        scale_base: list[tuple[object, object]] = []
+        pre_in, post_in, comb_in = (self._affine(s, i, n, scale_base, region) for i, s in enumerate(slices))
+        gate = region.follow(pre_in, aten.sigmoid, "pre is not a sigmoid of its mixes")
+        pre = region.follow(gate, aten.add, "pre is not sigmoid(.) + eps")
+        hc_eps = _scalar(pre, gate, "pre's eps")
+        gate = region.follow(post_in, aten.sigmoid, "post is not a sigmoid of its mixes")
+        post = region.follow(gate, aten.mul, "post is not 2 * sigmoid(.)")
+        if _scalar(post, gate, "post's factor") != 2.0:
+            raise NoMatch("post is not 2 * sigmoid(.)")
+        comb, iters = self._sinkhorn(comb_in, n, hc_eps, region)
+        y = self._weighted_sum(pre, flat, x_dtype, streams, region)
+        region.check_closed((y, post, comb), "hc_pre")
+        (scale, base), rows = scale_base[0], _rows(streams)
+        details = {"step": "pre", "streams": n, "dim": dim, "rows": rows, "iters": iters}
+        kernel = f"mhc_pre.n{n}.d{dim}.{ops.implementation_backend('mhc_pre', ctx.backend)}"
+        sink = next(node for node in linear.graph.nodes if node in (y, post, comb))
+        rewrite = Rewrite(sink, ops.mhc_pre, (x, fn, scale, base, iters, hc_eps, norm_eps, ctx.backend), kernel,
+                          details)
+        rewrite.outputs = {0: y, 1: post, 2: comb}
+        return rewrite
+
+    @staticmethod
+    def _vec_streams(flat: object, region: _Region) -> tuple[fx.Node, tuple[int, ...], torch.dtype | None]:
+        """``flatten(X, -2).float()`` -> (X, X's shape, X's dtype). X may be an earlier rewrite's output, which
+        carries no shape: then the shape comes from ``flat.view(X.shape)`` of the weighted sum."""
+        region.add(flat)
+        if _dtype(flat) != torch.float32:
+            raise NoMatch("the projection is not computed in fp32")
+        source = flat.args[0] if is_op(flat, aten.to, aten._to_copy) else flat
+        region.add(source)
+        if not is_op(source, aten.flatten):
+            raise NoMatch("the projected input is not vec(X): a flatten of the streams' last two dims [..., n, D]")
+        views = [shape(u) for u in flat.users if is_op(u, aten.view, aten.reshape)]
+        streams = shape(source.args[0]) or (views[0] if len(views) == 1 else None)
+        if streams is None or len(streams) < 3 or [a % len(streams) for a in source.args[1:]] not in (
+                [len(streams) - 2], [len(streams) - 2, len(streams) - 1]):
+            raise NoMatch("the projected input is not vec(X): a flatten of the streams' last two dims [..., n, D]")
+        return source.args[0], streams, _dtype(source)
+
+    @staticmethod
+    def _rms_scaled(linear: fx.Node, flat: fx.Node, region: _Region) -> tuple[fx.Node, float]:
+        """``linear * rsqrt(mean(flat^2, -1, keepdim) + eps)`` -> (that product, eps)."""
+        users = list(linear.users)
+        if len(users) != 1:
+            raise NoMatch("the projection is used elsewhere than its RMS scaling")
+        m = users[0]
+        rsqrt = _other(m, linear)
+        add = rsqrt.args[0]
+        mean = add.args[0] if is_op(add, aten.add) else None
+        square = mean.args[0] if is_op(mean, aten.mean) else None
+        ndim = len(shape(flat) or ())
+        if not (is_op(square, aten.square) and square.args[0] is flat and _dims(mean, 1, ndim) == [ndim - 1]
+                and _keepdim(mean, 2)):
+            raise NoMatch("the RMS scale is not rsqrt(mean(vec(X)^2, -1, keepdim) + eps) of the projected input")
+        region.add(m, rsqrt, add, mean, square)
+        return m, _scalar(add, mean, "the RMS eps")
+
+    @staticmethod
+    def _slices(m: fx.Node, n: int, region: _Region) -> list[fx.Node]:
+        """The three last-dim slices ``[:n]``, ``[n:2n]``, ``[2n:]`` of the mixes, in that order."""
+        ndim, total = len(shape(m) or ()), (2 + n) * n
+        found: dict[tuple[int, int], fx.Node] = {}
+        for user in m.users:
+            if not is_op(user, aten.slice) or user.args[1] % ndim != ndim - 1:
+                raise NoMatch("the mixes feed something other than slices of their last dim")
+            found[_bounds(user, total)] = user
+        wanted = [(0, n), (n, 2 * n), (2 * n, total)]
+        if sorted(found) != wanted:
+            raise NoMatch(f"the mixes are sliced as {sorted(found)}, not pre/post/comb {wanted} for n = {n}")
+        region.add(*found.values())
+        return [found[w] for w in wanted]
+
+    @staticmethod
+    def _affine(mixes: fx.Node, index: int, n: int, scale_base: list[tuple[object, object]],
+                region: _Region) -> fx.Node:
+        """``mixes * scale[index] + base[slice]`` -> the sum; every part must use the same scale and base."""
+        what = ("pre", "post", "comb")[index]
+        mul = region.follow(mixes, aten.mul, f"the {what} mixes are not multiplied by scale[{index}]")
+        select = _other(mul, mixes)
+        if not is_op(select, aten.select) or select.args[1:] != (0, index):
+            raise NoMatch(f"the {what} mixes are not multiplied by scale[{index}]")
+        add = region.follow(mul, aten.add, f"the {what} mixes have no base added")
+        piece = _other(add, mul)
+        start, end = _bounds(mixes, (2 + n) * n)
+        if not is_op(piece, aten.slice) or piece.args[1] != 0 or _bounds(piece, (2 + n) * n) != (start, end):
+            raise NoMatch(f"the {what} mixes are not shifted by base[{start}:{end}]")
+        scale, base = select.args[0], piece.args[0]
+        if scale_base and scale_base[0] != (scale, base):
+            raise NoMatch(f"the {what} mixes use another scale or base than pre's")
+        if shape(scale) != (3,) or shape(base) != ((2 + n) * n,):
+            raise NoMatch(f"scale {shape(scale)} / base {shape(base)} are not [3] / [(2+n)n]")
+        scale_base.append((scale, base))
+        region.add(select, piece)
+        return add
+
+    @staticmethod
+    def _sinkhorn(logits: fx.Node, n: int, eps: float, region: _Region) -> tuple[fx.Node, int]:
+        """``unflatten(n, n)`` -> softmax(-1) + eps -> column step -> (row step, column step)* -> (comb, iters)."""
+        grid = region.follow(logits, aten.unflatten, "comb's mixes are not unflattened into an n x n matrix")
+        rank = len(shape(logits) or (0,))
+        if list(grid.args[2]) != [n, n] or grid.args[1] % rank != rank - 1:
+            raise NoMatch(f"comb's mixes are unflattened as {list(grid.args[2])}, not [{n}, {n}]")
+        softmax = region.follow(grid, (aten.softmax, aten._softmax), "comb's logits have no row softmax (no Sinkhorn)")
+        ndim = len(shape(softmax) or ())
+        if softmax.args[1] % ndim != ndim - 1:
+            raise NoMatch("Sinkhorn's softmax is not over rows (the last dim)")
+        c = region.follow(softmax, aten.add, "Sinkhorn's softmax has no eps added")
+        if _scalar(c, softmax, "Sinkhorn's eps") != eps:
+            raise NoMatch(f"Sinkhorn's eps {_scalar(c, softmax, 'eps')} differs from pre's eps {eps}")
+        c = MhcTiling._normalize(c, ndim - 2, eps, region)
+        if c is None:
+            raise NoMatch("Sinkhorn's first column normalisation (after the softmax) is missing")
+        iters = 1
+        while True:
+            if MhcTiling._step_axis(c, ndim) == ndim - 2:
+                raise NoMatch(f"Sinkhorn iteration {iters + 1} normalises columns twice (its row step is missing)")
+            rows = MhcTiling._normalize(c, ndim - 1, eps, region)
+            if rows is None:
+                return c, iters
+            c = MhcTiling._normalize(rows, ndim - 2, eps, region)
+            iters += 1
+            if c is None:
+                raise NoMatch(f"Sinkhorn iteration {iters} normalises rows but not columns")
+
+    @staticmethod
+    def _step_axis(c: fx.Node, ndim: int) -> int | None:
+        """The axis of a ``c / (c.sum(axis, keepdim) + eps)`` step applied to ``c``, if any."""
+        for user in c.users:
+            if is_op(user, aten.sum) and _keepdim(user, 2) and len(_dims(user, 1, ndim)) == 1:
+                return _dims(user, 1, ndim)[0]
+        return None
+
+    @staticmethod
+    def _normalize(c: fx.Node, axis: int, eps: float, region: _Region) -> fx.Node | None:
+        """``c / (c.sum(axis, keepdim) + eps)`` -> the quotient; None when ``c`` is not normalised on ``axis``."""
+        ndim = len(shape(c) or ())
+        if MhcTiling._step_axis(c, ndim) != axis:
+            return None
+        total = next(u for u in c.users if is_op(u, aten.sum))
+        add = region.follow(total, aten.add, "a Sinkhorn sum has no eps added")
+        div = region.follow(add, aten.div, "a Sinkhorn step does not divide by its sums")
+        if div.args[0] is not c or _scalar(add, total, "Sinkhorn's eps") != eps:
+            raise NoMatch(f"a Sinkhorn step is not c / (c.sum({axis - ndim}) + {eps})")
+        if len(c.users) != 2:
+            raise NoMatch("an intermediate Sinkhorn matrix is used outside the iteration")
+        region.add(total)
+        return div
+
+    @staticmethod
+    def _weighted_sum(pre: fx.Node, flat: fx.Node, x_dtype: torch.dtype | None, streams: tuple[int, ...],
+                      region: _Region) -> fx.Node:
+        """``(pre.unsqueeze(-1) * flat.view(X.shape)).sum(-2)`` cast to X's dtype -> the cast (the y output)."""
+        ndim = len(streams)
+        lifted = region.follow(pre, aten.unsqueeze, "pre does not weight the streams (no pre.unsqueeze(-1))")
+        mul = region.follow(lifted, aten.mul, "pre does not weight the streams (no pre.unsqueeze(-1) * X)")
+        view = _other(mul, lifted)
+        if lifted.args[1] % (ndim) != ndim - 1 or not is_op(view, aten.view, aten.reshape) or \
+                view.args[0] is not flat or shape(view) != streams:
+            raise NoMatch("pre does not weight the fp32 streams vec(X).view(X.shape)")
+        total = region.follow(mul, aten.sum, "the weighted streams are not summed")
+        if _dims(total, 1, ndim) != [ndim - 2] or _keepdim(total, 2):
+            raise NoMatch("the weighted streams are not summed over the stream axis (-2)")
+        region.add(view)
+        users = list(total.users)
+        if len(users) == 1 and is_op(users[0], aten.to, aten._to_copy) and _dtype(users[0]) == x_dtype:
+            region.add(users[0])
+            return users[0]
+        if _dtype(total) != x_dtype:
+            raise NoMatch(f"y is not cast back to the streams' dtype {x_dtype}")
+        return total
+
+    # ----------------------------------------------------------------------------------------------- post
+    def _post(self, mixed: fx.Node, ctx: RewriteContext) -> Rewrite:
+        region = _Region()
+        prod = mixed.args[0]
+        region.add(mixed, prod, *prod.args[:2])
+        ndim = len(shape(prod) or ())
+        if ndim < 4:
+            raise NoMatch(f"a rank-{ndim} product is not the [..., n, n, D] stream mixing")
+        comb_u, x_u = self._lifted(prod, ndim - 1, ndim - 2, "comb.unsqueeze(-1) * X.unsqueeze(-2)")
+        comb, x = comb_u.args[0], x_u.args[0]
+        lead, (n, _, dim) = shape(x_u)[:-3], shape(x_u)[-3:]
+        if shape(comb_u) != (*lead, n, n, 1):
+            raise NoMatch(f"the mixing matrix {shape(comb_u)[:-1]} is not [..., {n}, {n}] for {n} streams")
+        axes = _dims(mixed, 1, ndim)
+        if axes == [ndim - 2]:
+            raise NoMatch("mixes the streams with comb (sum over k, dim -2), not comb^T (sum over j, dim -3)")
+        if axes != [ndim - 3] or _keepdim(mixed, 2):
+            raise NoMatch(f"the mixing product is summed over dims {axes}, not the stream axis j ({ndim - 3})")
+        add = region.follow(mixed, aten.add, "the mixed streams are not added to post * y")
+        post_y = _other(add, mixed)
+        if not is_op(post_y, aten.mul):
+            raise NoMatch("the mixed streams are not added to post * y")
+        post_u, y_u = self._lifted(post_y, ndim - 2, ndim - 3, "post.unsqueeze(-1) * y.unsqueeze(-2)")
+        post, y = post_u.args[0], y_u.args[0]
+        if shape(post_u) != (*lead, n, 1) or shape(y_u) != (*lead, 1, dim):
+            raise NoMatch(f"post {shape(post_u)[:-1]} / y {shape(y_u)[:-2] + shape(y_u)[-1:]} do not match "
+                          f"the streams [..., {n}, {dim}]")
+        region.add(post_y, post_u, y_u)
+        out = add
+        users = list(add.users)
+        if len(users) == 1 and is_op(users[0], aten.to, aten._to_copy) and _dtype(users[0]) == _dtype(y_u):
+            out = users[0]
+            region.add(out)
+        elif _dtype(add) != _dtype(y_u):
+            raise NoMatch(f"the new streams are not cast to y's dtype {_dtype(y_u)}")
+        region.check_closed((out,), "hc_post")
+        kernel = f"mhc_post.n{n}.d{dim}.{ops.implementation_backend('mhc_post', ctx.backend)}"
+        details = {"step": "post", "streams": n, "dim": dim, "rows": _rows((*lead, n, dim))}
+        return Rewrite(out, ops.mhc_post, (y, x, post, comb, ctx.backend), kernel, details)
+
+    @staticmethod
+    def _lifted(prod: fx.Node, first: int, second: int, what: str) -> tuple[fx.Node, fx.Node]:
+        """The operands of ``prod`` unsqueezed at dims ``first`` and ``second`` (of the product's rank)."""
+        ndim = len(shape(prod) or ())
+        by_dim: dict[int, fx.Node] = {}
+        for arg in prod.args[:2]:
+            if is_op(arg, aten.unsqueeze):
+                by_dim[arg.args[1] % ndim] = arg
+        if set(by_dim) != {first, second}:
+            raise NoMatch(f"the product is not {what}")
+        return by_dim[first], by_dim[second]
+
+
+def _rows(streams: tuple[int, ...]) -> int:
+    rows = 1
+    for size in streams[:-2]:
+        rows *= size
+    return rows

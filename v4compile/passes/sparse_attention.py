@@ -1,0 +1,184 @@
+"""``sparse_attention``: the attention's gather + softmax-with-sink + weighted sum, and the lightning
+indexer's ``sum_h w * relu(q . k)`` scoring, become the sparse attention and indexer scoring kernels.
+
+Attention form (model/sparse_attention.py): ``keys = gather(kv, index.clamp(0))``, scores
+``einsum(q, keys) * scale`` masked where ``index < 0``, ``softmax(cat(scores, sink))[..., :k]``,
+``einsum(probs, keys)``. Neither the gathered keys nor the [B,S,H,K] scores are materialised by the
+kernel. Indexer form (model/indexer.py ``index_scores``): ``(relu(einsum(q, keys)) * w).sum(heads)``.
+The top-k that follows the scores stays a separate kernel (``radix_topk``): scoring and selection are
+not fused on any backend yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import fx
+
+from ..codegen import ops
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, shape
+
+aten = torch.ops.aten
+ATTENTION_SCORES = "bshd,bskd->bshk"
+ATTENTION_VALUES = "bshk,bskd->bshd"
+INDEXER_DOTS = "bshd,bnd->bshn"
+
+
+def _strip_casts(node: object) -> object:
+    """The node under any dtype casts (``aten.to`` / ``_to_copy``) and aliases."""
+    while is_op(node, aten.to, aten._to_copy, aten.alias):
+        node = node.args[0]
+    return node
+
+
+def _einsum(node: object, equation: str, what: str) -> tuple[fx.Node, fx.Node]:
+    if not is_op(node, aten.einsum) or node.args[0] != equation or len(node.args[1]) != 2:
+        raise NoMatch(f"{what} is not einsum('{equation}')")
+    left, right = node.args[1]
+    return left, right
+
+
+def _kernel_dim_ok(dim: int, what: str) -> None:
+    if dim & (dim - 1) or dim < 16:
+        raise NoMatch(f"{what} head dim {dim} is not a power of two >= 16 (the kernel's constraint)")
+
+
+def _single_value(node: fx.Node) -> fx.Node:
+    """``node``'s only user when that is a dtype cast (the region's real output), else ``node``."""
+    users = list(node.users)
+    if len(users) == 1 and is_op(users[0], aten.to, aten._to_copy):
+        return users[0]
+    return node
+
+
+class SparseAttention(GraphPass):
+    """Index-addressed MQA with a sink, and the indexer's relu-weighted scoring -> their kernels."""
+
+    name = "sparse_attention"
+    summary = "replace gather + softmax-with-sink + weighted sum, and the indexer scoring, with fused kernels"
+    matches = ("einsum('bshk,bskd->bshd', softmax(cat(masked einsum(q, gather(kv, index)) * scale, sink))[..., :k], "
+               "keys) and (relu(einsum('bshd,bnd->bshn', q, keys)) * w).sum(heads)")
+    tolerance = 1e-2
+
+    def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
+        """The value product of the attention and the dot product of the indexer."""
+        return [n for n in gm.graph.nodes
+                if is_op(n, aten.einsum) and n.args[0] in (ATTENTION_VALUES, INDEXER_DOTS)]
+
+    def analyze(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
+        """Attention or indexer scoring, by the anchor's equation."""
+        if node.args[0] == ATTENTION_VALUES:
+            return self._attention(node, ctx)
+        return self._indexer(node, ctx)
+
+    def _attention(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
+        probs, values = _einsum(node, ATTENTION_VALUES, "the value product")
+        if not is_op(probs, aten.slice) or probs.args[1] % 4 != 3 or (probs.args[2] or 0) != 0:
+            raise NoMatch("the probabilities are not the [..., :k] prefix of a softmax (no sink column cut off)")
+        k = int(probs.args[3])
+        softmax = probs.args[0]
+        if not is_op(softmax, aten.softmax, aten._softmax) or softmax.args[1] % 4 != 3:
+            raise NoMatch("the value weights are not a softmax over the entries")
+        joined = softmax.args[0]
+        if not is_op(joined, aten.cat) or len(joined.args[0]) != 2 or joined.args[1] % 4 != 3:
+            raise NoMatch("the softmax has no sink column appended to the scores")
+        masked, sink_column = joined.args[0]
+        sink = _strip_casts(self._sink_source(sink_column))
+        if not is_op(masked, aten.masked_fill) or masked.args[2] != float("-inf"):
+            raise NoMatch("the scores are not masked to -inf where the index is -1")
+        scaled, invalid = masked.args[0], masked.args[1]
+        if not is_op(scaled, aten.mul) or not isinstance(scaled.args[1], float):
+            raise NoMatch("the scores are not scaled by a constant softmax scale")
+        scale = float(scaled.args[1])
+        q, keys = _einsum(scaled.args[0], ATTENTION_SCORES, "the score product")
+        if _strip_casts(keys) is not _strip_casts(values):
+            raise NoMatch("scores and values read different entries (one KV entry must be key and value)")
+        kv, index = self._gathered(_strip_casts(keys))
+        if self._mask_index(invalid) is not index:
+            raise NoMatch("the mask is not index < 0 of the same index that addresses the entries")
+        q = _strip_casts(q)
+        dims = shape(q)
+        if dims is None or len(dims) != 4 or shape(index) is None or shape(index)[-1] != k:
+            raise NoMatch("q is not [B,S,H,d] or the index width differs from the kept probabilities")
+        _kernel_dim_ok(dims[-1], "attention")
+        sink_node = _single_value(node)
+        impl = ops.implementation_backend("sparse_attention", ctx.backend)
+        return Rewrite(sink_node, ops.sparse_attention, (q, kv, sink, index, scale, ctx.backend),
+                       f"sparse_attention.d{dims[-1]}.{impl}",
+                       {"form": "attention", "heads": dims[2], "dim": dims[-1], "entries": k, "queries": dims[1]})
+
+    @staticmethod
+    def _sink_source(column: fx.Node) -> fx.Node:
+        """``sink.view(1, 1, H, 1).expand(B, S, H, 1)`` -> sink."""
+        node = column
+        while is_op(node, aten.expand, aten.view, aten.reshape, aten.unsqueeze):
+            node = node.args[0]
+        node = _strip_casts(node)
+        if not isinstance(node, fx.Node) or len(shape(node) or ()) != 1:
+            raise NoMatch("the appended softmax column is not a per-head sink broadcast")
+        return node
+
+    @staticmethod
+    def _gathered(keys: fx.Node) -> tuple[fx.Node, fx.Node]:
+        """``gather(kv, 1, index.clamp(0).reshape(B, S*K, 1).expand(..., d)).view(B, S, K, d)`` -> (kv, index)."""
+        if is_op(keys, aten.view, aten.reshape):
+            keys = keys.args[0]
+        if not is_op(keys, aten.gather) or keys.args[1] != 1:
+            raise NoMatch("the entries are not gathered from a KV tensor along its entry axis")
+        kv, where = keys.args[0], keys.args[2]
+        while is_op(where, aten.expand, aten.reshape, aten.view):
+            where = where.args[0]
+        if not is_op(where, aten.clamp) or where.args[1] != 0:
+            raise NoMatch("the gather index is not the entry index clamped at 0 (-1 masked entries)")
+        return kv, where.args[0]
+
+    @staticmethod
+    def _mask_index(invalid: object) -> object:
+        """``~(index >= 0).unsqueeze(2)`` -> index."""
+        if not is_op(invalid, aten.bitwise_not, aten.logical_not):
+            raise NoMatch("the mask is not the negation of the valid entries")
+        valid = invalid.args[0]
+        if is_op(valid, aten.unsqueeze):
+            valid = valid.args[0]
+        if not is_op(valid, aten.ge) or valid.args[1] != 0:
+            raise NoMatch("the valid entries are not index >= 0")
+        return valid.args[0]
+
+    def _indexer(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
+        q, keys = _einsum(node, INDEXER_DOTS, "the indexer's dot product")
+        users = list(node.users)
+        if len(users) != 1 or not is_op(users[0], aten.relu):
+            raise NoMatch("the dot products are not passed through one relu")
+        relu = users[0]
+        users = list(relu.users)
+        if len(users) != 1 or not is_op(users[0], aten.mul):
+            raise NoMatch("the relu'd dots are not weighted per head")
+        weighted = users[0]
+        weights = weighted.args[1] if weighted.args[0] is relu else weighted.args[0]
+        if not is_op(weights, aten.unsqueeze):
+            raise NoMatch("the head weights are not broadcast over the keys")
+        weights = _strip_casts(weights.args[0])
+        users = list(weighted.users)
+        if len(users) != 1 or not is_op(users[0], aten.sum) or list(users[0].args[1]) not in ([2], [-2]):
+            raise NoMatch("the weighted dots are not summed over the heads")
+        total = users[0]
+        if len(total.args) > 2 and total.args[2]:
+            raise NoMatch("the head sum keeps its dim")
+        dims = shape(q)
+        if dims is None or len(dims) != 4:
+            raise NoMatch("q is not [B,S,H,d]")
+        if (shape(q) or (0,))[-1] != (shape(keys) or (0,))[-1]:
+            raise NoMatch("q and keys differ in head dim")
+        _kernel_dim_ok(dims[-1], "indexer")
+        sink = _single_value(total)
+        if sink is total or sink.meta.get("val") is None or sink.meta["val"].dtype != torch.float32:
+            raise NoMatch("the head sum is not returned as fp32 scores")
+        impl = ops.implementation_backend("indexer_scores", ctx.backend)
+        return Rewrite(sink, ops.indexer_scores, (q, _strip_casts(keys), weights, ctx.backend),
+                       f"indexer_scores.d{dims[-1]}.{impl}",
+                       {"form": "indexer scores", "heads": dims[2], "dim": dims[-1], "keys": (shape(keys) or (0,))[1],
+                        "fused_with_topk": False})
+
+
+__all__ = ["SparseAttention"]

@@ -1,0 +1,149 @@
+"""``stream_schedule``: independent branches of each layer on side CUDA streams, forked and joined with events.
+
+Analysis (any device). The captured graph becomes a dependency DAG (networkx) of the nodes that launch work
+(views are left out: every consumer remakes them), with an edge for every value a node reads, through views,
+and for every ordering an in-place write imposes (read-after-write, write-after-read, write-after-write on one
+base storage, from the ops' alias annotations; cache writes and reads are ordered so). Each node is costed from
+its fake-tensor metadata (a launch, plus bytes over copy bandwidth or FLOPs over matmul rate, per target). The
+DAG is cut into threads: a node continues the thread of the predecessor whose critical successor it is (the
+longest cost-weighted path onwards), the critical path being the main thread; a thread cheaper than
+``min_branch_us`` joins the thread it feeds, a thread forking from a side thread joins it, and one that reads
+only graph inputs joins the thread it feeds. The side threads (in V4: a layer's query path, window KV,
+compressor, indexer compressor; its experts and shared expert) get the target's side streams, a launch order
+keeps each stream's work together, and it is cut into segments (one per stream run, cut after a node another
+stream reads and before one that needs a new wait), adjacent ones merged while the simulated time does not
+grow. A section is the span from a fork to the join of every side segment another stream reads; its
+branches are named from the nodes' ``nn_module_stack`` (or code place). The pass annotates node metadata only
+(stream, launch position, segment); its report is one match per section, one near-miss per branch too cheap.
+
+Execution (CUDA only; on CPU the plan is a report and the graph runs unchanged). The backend builds a
+:class:`StreamRunner`: each segment becomes a graph module of its own, compiled by Inductor (or run as is),
+launched on its stream after waiting on the events of the segments it depends on (fork: a side stream waits
+on the main stream; join: the main stream waits on a side stream); every side stream joins the caller's
+stream before the call returns, so the whole step can be captured in a CUDA graph. Only the streams change,
+plus Inductor cannot fuse across a segment boundary.
+
+The per-target stream count and cost rates are in ``v4compile/targets.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import fx
+
+from ..targets import DEFAULT_GPU_TARGET, target_name
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext
+from .streams.dag import META_KEY, Cost, bases, dependency_graph, is_compute, is_view, node_cost, node_values
+from .streams.plan import (
+    BranchPlan,
+    EventPlan,
+    Plan,
+    SectionPlan,
+    Segment,
+    assign_streams,
+    branch_name,
+    coarsen,
+    code_label,
+    happens_before,
+    launch_order,
+    make_plan,
+    module_path,
+    segments,
+    threads,
+    unit_of,
+    unordered_edges,
+)
+from .streams.runner import (
+    Region,
+    StreamRunner,
+    annotated_streams,
+    build_regions,
+    compile_inductor,
+    executable_segments,
+    scheduled,
+)
+
+__all__ = [
+    "BranchPlan", "Cost", "EventPlan", "META_KEY", "Plan", "Region", "SectionPlan", "Segment", "StreamRunner",
+    "StreamSchedule", "annotated_streams", "assign_streams", "bases", "branch_name", "build_regions", "coarsen",
+    "code_label", "compile_inductor", "dependency_graph", "executable_segments", "happens_before", "is_compute",
+    "is_view", "launch_order", "make_plan", "module_path", "node_cost", "node_values", "scheduled", "segments",
+    "threads", "unit_of", "unordered_edges",
+]
+
+
+# ---------------------------------------------------------------------------------------------- the pass
+class StreamSchedule(GraphPass):
+    """Independent branches of each layer on side CUDA streams, forked and joined with events."""
+
+    name = "stream_schedule"
+    on_by_default = False  # opt-in until its CUDA-graph replay is verified on the GPU (RESULTS.md)
+    summary = ("run each layer's independent branches (query path, window KV, compressor, indexer; experts) on "
+               "side CUDA streams with fork/join events, inside CUDA graphs too; on CPU a report only")
+    matches = ("a fork in the dependency DAG whose branches each cost more than min_branch_us (estimated from "
+               "fake-tensor bytes and FLOPs), up to the target's stream count (v4compile/targets.py)")
+    option_help = {
+        "target": "the target to plan for (v4compile/targets.py); default: the graph's GPU, sm90 on CPU",
+        "min_branch_us": "estimated microseconds a branch must cost to get a stream of its own (default 10)",
+    }
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.plans: list[Plan] = []
+        """Every graph's plan, in the order the graphs were compiled (what ``v4compile schedule`` prints)."""
+        self._anchors: dict[int, tuple[Plan, SectionPlan]] = {}
+        self._misses: dict[int, str] = {}
+
+    def plan(self, gm: fx.GraphModule) -> Plan:
+        """The schedule of ``gm`` for the configured (or the graph's) target."""
+        name = self.options.get("target") or _graph_target(gm)
+        return make_plan(gm, name, float(self.options.get("min_branch_us", 10.0)))
+
+    def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
+        """One anchor per section (its fork node, or its first side node when an earlier section forks at the
+        same node), plus the first node of each near-miss thread."""
+        plan = self.plan(gm)
+        self.plans.append(plan)
+        anchors: dict[fx.Node, SectionPlan] = {}
+        for section in plan.sections:
+            first_side = next(n for i in section.segments if plan.segments[i].stream for n in plan.segments[i].nodes)
+            anchors[section.fork if section.fork not in anchors else first_side] = section
+        self._anchors = {id(n): (plan, s) for n, s in anchors.items()}
+        self._misses = {id(n): reason for n, reason in plan.cheap}
+        return list(anchors) + [n for n, _ in plan.cheap if n not in anchors]
+
+    def analyze(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
+        """The section forking at ``node`` as an annotation (the graph is unchanged; node metadata carries
+        each node's stream and launch position), or NoMatch for a thread too cheap for a stream."""
+        if id(node) not in self._anchors:
+            raise NoMatch(self._misses.get(id(node), "not a fork"))
+        plan, section = self._anchors[id(node)]
+        branches = [b for b in section.branches if not b.main]
+        details = {"unit": section.unit, "target": plan.target,
+                   "branches": ", ".join(f"{b.name}@s{b.stream}" for b in section.branches),
+                   "streams": len({b.stream for b in section.branches}), "events": len(section.events),
+                   "est_us": f"{section.serial_us:.1f} -> {section.overlapped_us:.1f}"}
+        if plan.streams <= 1 or not branches:
+            raise NoMatch(f"target {plan.target} has {plan.streams} stream(s): nothing runs side by side")
+
+        def annotate(graph: fx.Graph) -> None:
+            position = {n: i for i, n in enumerate(plan.launch)}
+            for seg in plan.segments:
+                for n in seg.nodes:
+                    n.meta.setdefault(META_KEY, {}).update(launch=position[n], group=seg.id)
+            for n, index in plan.section_of.items():
+                if index == section.index:
+                    n.meta[META_KEY]["stream"] = plan.stream_of[n]
+
+        return Rewrite(node, f"streams[{plan.target}]", (), "-", details, annotate=annotate)
+
+
+def _graph_target(gm: fx.GraphModule) -> str:
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(value, torch.Tensor) and value.device.type == "cuda":
+            return target_name(value.device)
+    return DEFAULT_GPU_TARGET

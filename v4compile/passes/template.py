@@ -1,0 +1,132 @@
+"""Matching a graph region against a model function traced to ATen: the model's own code is the pattern.
+
+A template is a function (say ``Linear.forward`` for one weight format) traced with ``make_fx`` exactly as the
+backend retraces Dynamo's graph (pre-dispatch ATen). ``bind`` walks the template from its output and the
+graph from a candidate node in lockstep: the same op, the same constants, the same structure; each template
+input binds to the graph node in its place. Casts to a tensor's own dtype are skipped on both sides (Dynamo
+and ``make_fx`` record them where the source calls ``.to`` or ``.float()`` on a tensor that already has the
+dtype). A mismatch names the op the template expects and what the graph has there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .base import is_op, locate
+
+aten = torch.ops.aten
+_IGNORED_KWARGS = ("device",)
+
+
+@dataclass
+class Template:
+    """A traced function: its graph module, its inputs (placeholders in order) and its output node."""
+
+    module: fx.GraphModule
+    inputs: list[fx.Node]
+    output: fx.Node
+
+
+@dataclass
+class Binding:
+    """The result of ``bind``: the graph node bound to each template input (None when it did not match), the
+    reason it did not, and how many template nodes matched before that (to rank failed alternatives)."""
+
+    inputs: list[fx.Node] | None
+    reason: str
+    matched: int
+
+
+def trace(fn: Callable[..., torch.Tensor], example: list[torch.Tensor]) -> Template:
+    """``fn`` traced to pre-dispatch ATen on fake copies of ``example`` (only shapes and dtypes are used), with
+    static shapes even when called inside a torch.compile backend (whose tracing context would make them
+    symbolic)."""
+    with torch._guards.tracing(None), unset_fake_temporarily():
+        module = make_fx(fn, pre_dispatch=True, tracing_mode="fake")(*example)
+    inputs = [n for n in module.graph.nodes if n.op == "placeholder"]
+    (output,) = [n for n in module.graph.nodes if n.op == "output"]
+    result = output.args[0]
+    if isinstance(result, (tuple, list)):
+        (result,) = result
+    return Template(module, inputs, result)
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def skip_noop_casts(node: Any) -> Any:
+    """``node`` under any casts to the dtype its input already has."""
+    while (is_op(node, aten.to, aten._to_copy, aten.alias) and isinstance(node.args[0], fx.Node)
+           and _dtype(node) is not None and _dtype(node) == _dtype(node.args[0])):
+        node = node.args[0]
+    return node
+
+
+def _describe(node: fx.Node) -> str:
+    what = str(node.target) if node.op == "call_function" else node.op
+    return f"{what} at {locate(node)}"
+
+
+class _Matcher:
+    def __init__(self, template: Template) -> None:
+        self.template = template
+        self.pairs: dict[fx.Node, fx.Node] = {}
+        self.reason = ""
+
+    def fail(self, reason: str) -> bool:
+        self.reason = self.reason or reason
+        return False
+
+    def node(self, p: fx.Node, g: Any) -> bool:
+        p, g = skip_noop_casts(p), skip_noop_casts(g)
+        if not isinstance(g, fx.Node):
+            return self.fail(f"expected a tensor for {p.target if p.op == 'call_function' else p.name}, found {g!r}")
+        if p in self.pairs:
+            return self.pairs[p] is g or self.fail(
+                f"one value of the template is two nodes of the graph ({self.pairs[p].name}, {g.name})")
+        if p.op == "placeholder":
+            self.pairs[p] = g
+            return True
+        if p.op == "get_attr":
+            if g.op != "get_attr":
+                return self.fail(f"expected a constant tensor, found {_describe(g)}")
+            ours = getattr(self.template.module, p.target)
+            theirs = getattr(g.graph.owning_module, g.target)
+            if ours.shape != theirs.shape or not torch.equal(ours.cpu(), theirs.cpu()):
+                return self.fail(f"the constant {g.target} differs from the model's")
+        elif g.op != "call_function" or g.target != p.target:
+            return self.fail(f"expected {p.target}, found {_describe(g)}")
+        self.pairs[p] = g
+        if not self.value(p.args, g.args, p):
+            return False
+        keys = (set(p.kwargs) | set(g.kwargs)) - set(_IGNORED_KWARGS)
+        return all(self.value(p.kwargs.get(k), g.kwargs.get(k), p) for k in keys)
+
+    def value(self, p: Any, g: Any, owner: fx.Node) -> bool:
+        if isinstance(p, fx.Node):
+            return self.node(p, g)
+        if isinstance(p, (list, tuple)):
+            if not isinstance(g, (list, tuple)) or len(p) != len(g):
+                return self.fail(f"{owner.target} has arguments {g!r}, the model's has {p!r}")
+            return all(self.value(a, b, owner) for a, b in zip(p, g, strict=True))
+        if isinstance(g, fx.Node) or p != g:
+            return self.fail(f"{owner.target} has argument {g!r} where the model's has {p!r}")
+        return True
+
+
+def bind(template: Template, node: fx.Node) -> Binding:
+    """Matches ``template`` against the graph region ending at ``node``; see the module docstring."""
+    matcher = _Matcher(template)
+    if matcher.node(template.output, node):
+        return Binding([skip_noop_casts(matcher.pairs[p]) if p in matcher.pairs else None
+                        for p in template.inputs], "", len(matcher.pairs))
+    return Binding(None, matcher.reason, len(matcher.pairs))
