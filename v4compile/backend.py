@@ -55,11 +55,43 @@ def make_backend(manager: PassManager, inductor: bool = True,
             return streamed
         if not inductor:
             return rewritten
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(rewritten, example_inputs)
+        return inductor_compile(rewritten, example_inputs)
 
     return backend
+
+
+def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """Inductor's ``compile_fx``, with e8m0 scale inputs (FP8/FP4 checkpoints) handed over as their bytes:
+    Inductor's C++ (CPU) code generator has no e8m0 type, and the model decodes scales from bytes anyway.
+    Uses that view the scales as bytes read the input directly; any other use gets an e8m0 view back."""
+    from torch._inductor.compile_fx import compile_fx
+
+    e8m0 = torch.float8_e8m0fnu
+    as_bytes = {i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and x.dtype == e8m0}
+    if not as_bytes:
+        return compile_fx(gm, example_inputs)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i in sorted(as_bytes):
+        node = placeholders[i]
+        val = node.meta.get("val")
+        byte_views = [u for u in node.users if u.target is torch.ops.aten.view.dtype and u.args[1] == torch.uint8]
+        others = [u for u in node.users if u not in byte_views]
+        if others:
+            with gm.graph.inserting_after(node):
+                back = gm.graph.call_function(torch.ops.aten.view.dtype, (node, e8m0))
+            back.meta["val"] = val
+            for user in others:
+                user.replace_input_with(node, back)
+        for user in byte_views:
+            user.replace_all_uses_with(node)
+            gm.graph.erase_node(user)
+        if val is not None:
+            node.meta["val"] = val.view(torch.uint8)
+    gm.graph.lint()
+    gm.recompile()
+    compiled = compile_fx(gm, [x.view(torch.uint8) if i in as_bytes else x for i, x in enumerate(example_inputs)])
+
+    return lambda *args: compiled(*(a.view(torch.uint8) if i in as_bytes else a for i, a in enumerate(args)))
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
