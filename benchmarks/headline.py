@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -22,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kernels import graphed  # benchmarks/kernels.py: the CUDA-graph capture the kernel table uses
+from stream_overlap import fill_random_  # random weights drawn on the device
 
 import v4compile
-from v4compile.model import quant
 from v4compile.model.cache import V4Cache
 from v4compile.model.config import V4Config
-from v4compile.model.linear import Linear
 
 MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
 
@@ -47,45 +46,6 @@ def slice_config(layers: int, context: int, small: bool, experts: int | None = N
                          index_head_dim=64, index_topk=16, dtype="bf16", scale_fmt=None, scale_dtype="fp32",
                          expert_dtype=None)
     return V4Config.preset("flash", **overrides)
-
-
-@torch.no_grad()
-def device_random_init(model: torch.nn.Module, seed: int) -> None:
-    """Random weights drawn on the model's device (the CPU initialiser quantizes 25G values for a Flash slice):
-    FP4 experts as uniform e2m1 codes, FP8 weights as rounded normals, both with e8m0 scales that give a
-    weight std near 1/sqrt(fan-in); the other parameters follow ``v4compile.model.init``'s rules."""
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for module in model.modules():
-        if not isinstance(module, Linear):
-            continue
-        std = module.in_features ** -0.5
-        if module.fmt in ("fp4", "fp8"):
-            # e2m1 codes have std ~2.5 over uniform bytes; the e4m3 normals here have std 64
-            spread = 2.5 if module.fmt == "fp4" else 64.0
-            if module.fmt == "fp4":
-                module.weight.copy_(torch.randint(-128, 128, module.weight.shape, generator=gen, device=device))
-            else:
-                module.weight.copy_(torch.randn(module.weight.shape, generator=gen, device=device).mul_(spread)
-                                    .clamp_(-448, 448))
-            scale = torch.full(module.scale.shape, 2.0 ** round(math.log2(std / spread)), device=device)
-            module.scale.copy_(quant.float_to_e8m0(scale))
-        else:
-            module.weight.copy_(torch.randn(module.weight.shape, generator=gen, device=device) * std)
-    for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if name.endswith("embed.weight"):
-            p.normal_(generator=gen)
-        elif leaf.endswith("_fn"):
-            p.normal_(std=0.1 / math.sqrt(p.shape[-1]), generator=gen)
-        elif leaf.endswith("_base") or leaf in ("attn_sink", "bias"):
-            p.zero_()
-        elif leaf.endswith("_scale"):
-            p.fill_(1.0)
-        elif leaf == "ape":
-            p.normal_(std=0.1, generator=gen)
-        elif name.endswith("ffn.gate.weight"):
-            p.normal_(std=p.shape[-1] ** -0.5, generator=gen)
 
 
 def fill_cache(cache: V4Cache, seed: int) -> None:
@@ -117,20 +77,6 @@ def timed(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
-
-
-def graphed(step: Callable[[], Any]) -> Callable[[], Any]:
-    """``step`` captured into a CUDA graph (after warm-up on a side stream); returns the replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 def decode_rows(model: v4compile.DeepSeekV4, batch: int, context: int, modes: list[str], reps: int,
@@ -219,7 +165,7 @@ def main() -> None:
     disable = tuple(d for d in args.disable.split(",") if d)
     config = slice_config(args.layers, max(args.context, args.prefill), args.small, args.experts)
     model = v4compile.DeepSeekV4(config, seed=None, device=args.device).eval()
-    device_random_init(model, 0)
+    fill_random_(model, torch.Generator(args.device).manual_seed(0))
     rows: list[dict[str, Any]] = []
     for batch in (int(b) for b in args.batches.split(",") if b):
         rows += decode_rows(model, batch, args.context, modes, args.reps, args.eager_reps, disable)

@@ -187,18 +187,26 @@ class Attention(nn.Module):
         index = window_index_decode(positions, self.window)
         keys = cache.window[:bsz]
         if self.ratio:
-            self.compressor.forward_decode(x, positions, self.freqs, cache.compressor)
-            entries = cache.compressor.entries[:bsz]
-            if self.indexer is not None:
-                chosen = self.indexer.forward_decode(x, qr, positions, cos, sin, self.freqs, cache.indexer,
-                                                     _replayed(routing, layer))
-                _record(routing, layer, chosen)
-                entries, chosen = cache.sparse_entries(chosen, positions)
-            else:
-                chosen = self._dense_choice(entries, positions.view(bsz, 1))
-            keys, index = _append(keys, index, entries, chosen)
+            keys, index = self._decode_compressed(x, qr, positions, positions.view(bsz, 1), cos, sin, cache, routing,
+                                                  layer, keys, index)
         o = sparse_attention(q, keys, self.attn_sink, index, self.softmax_scale)
         return self._output(o, cos, sin)
+
+    def _decode_compressed(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, pos: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache, routing: Routing | None,
+                           layer: int, keys: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode: the compressor takes the new tokens, and the chosen compressed entries (indexer top-k for C4,
+        all visible ones for C128, as of the query positions ``pos`` [B, S]) join ``keys`` and ``index``."""
+        self.compressor.forward_decode(x, positions, self.freqs, cache.compressor)
+        entries = cache.compressor.entries[: x.shape[0]]
+        if self.indexer is not None:
+            chosen = self.indexer.forward_decode(x, qr, positions, cos, sin, self.freqs, cache.indexer,
+                                                 _replayed(routing, layer))
+            _record(routing, layer, chosen)
+            entries, chosen = cache.sparse_entries(chosen, positions)
+        else:
+            chosen = self._dense_choice(entries, pos)
+        return _append(keys, index, entries, chosen)
 
     def _forward_decode_tokens(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache,
                                routing: Routing | None, layer: int) -> torch.Tensor:
@@ -220,16 +228,7 @@ class Attention(nn.Module):
         index = torch.cat((ring_index, own), dim=-1)
         keys = torch.cat((cache.window[:bsz], kv), dim=1)
         if self.ratio:
-            self.compressor.forward_decode(x, positions, self.freqs, cache.compressor)
-            entries = cache.compressor.entries[:bsz]
-            if self.indexer is not None:
-                chosen = self.indexer.forward_decode(x, qr, positions, cos, sin, self.freqs, cache.indexer,
-                                                     _replayed(routing, layer))
-                _record(routing, layer, chosen)
-                entries, chosen = cache.sparse_entries(chosen, positions)
-            else:
-                chosen = self._dense_choice(entries, pos)
-            keys, index = _append(keys, index, entries, chosen)
+            keys, index = self._decode_compressed(x, qr, positions, pos, cos, sin, cache, routing, layer, keys, index)
         cache.window[rows.unsqueeze(-1), pos % self.window] = kv
         o = sparse_attention(q, keys, self.attn_sink, index, self.softmax_scale)
         return self._output(o, cos, sin)
