@@ -4,7 +4,9 @@ Decode at batch 1, 16 and 64 with a filled 16K-token context, and a prefill of 8
 ``v4compile.optimize`` (passes + Inductor; decode replayed from a CUDA graph, as the runtime runs it)
 against the model's own PyTorch code in eager and under ``torch.compile`` modes. A compile mode's
 time is measured as that mode runs it; ``default+graph`` additionally replays the default-mode step
-from a CUDA graph, so the comparison does not hinge on launch overhead alone.
+from a CUDA graph, so the comparison does not hinge on launch overhead alone. Each variant and phase
+compiles in a process of its own, all at once; then they time one after another, alone on the GPU and
+the host.
 
     PYTHONPATH=. python3 benchmarks/headline.py            # H200
     PYTHONPATH=. python3 benchmarks/headline.py --device cpu --small   # a smoke run on CPU
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import queue
 import statistics
 import time
 from collections.abc import Callable
@@ -79,74 +83,131 @@ def timed(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
     return statistics.median(samples)
 
 
-def decode_rows(model: v4compile.DeepSeekV4, batch: int, context: int, modes: list[str], reps: int,
-                eager_reps: int, disable: tuple[str, ...]) -> list[dict[str, Any]]:
-    """One row per variant: decode step time at ``batch`` with a ``context``-token cache."""
+VARIANTS = ("eager", *(f"torch.compile {m}" for m in MODES), "v4compile")
+"""Every variant of the table; each is prepared (compiled and warmed up) in a process of its own."""
+
+Step = Callable[[], Any]
+
+
+def decode_steps(model: v4compile.DeepSeekV4, variant: str, batch: int, context: int,
+                 disable: tuple[str, ...]) -> list[tuple[str, Step, float | None]]:
+    """(variant, step, compile seconds) for a decode step at ``batch`` with a ``context``-token cache;
+    on CUDA, default mode is also replayed from a CUDA graph and v4compile runs only that way (as the
+    runtime runs it)."""
     cuda = next(model.parameters()).is_cuda
     cache = model.new_cache(batch, context + 64)
     fill_cache(cache, batch)
     ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=cache.layers[0].window.device)
     positions = torch.full((batch,), context, device=ids.device)
-    rows: list[dict[str, Any]] = []
-
-    def add(variant: str, fn: Callable[[], Any], n: int, compile_s: float | None = None) -> None:
-        rows.append({"phase": f"decode b{batch}", "variant": variant, "ms": timed(fn, n, cuda),
-                     "compile_s": compile_s})
-        print(json.dumps(rows[-1]), flush=True)
-
-    with torch.no_grad():
-        add("eager", lambda: model.decode_step(ids, positions, cache), eager_reps)
-        for mode in modes:
-            torch._dynamo.reset()
-            compiled = torch.compile(model.decode_step, mode=mode, dynamic=False)
-            t0 = time.perf_counter()
-            compiled(ids, positions, cache)
-            seconds = time.perf_counter() - t0
-            add(f"torch.compile {mode}", lambda c=compiled: c(ids, positions, cache), reps, seconds)
-            if mode == "default" and cuda:
-                add("torch.compile default+graph", graphed(lambda c=compiled: c(ids, positions, cache)), reps)
-        torch._dynamo.reset()
-        optimized = v4compile.optimize(model, disable=disable)
-        t0 = time.perf_counter()
-        optimized.decode_step(ids, positions, cache)
-        seconds = time.perf_counter() - t0
-        step = lambda: optimized.decode_step(ids, positions, cache)  # noqa: E731
-        add("v4compile", graphed(step) if cuda else step, reps, seconds)
-    return rows
+    if variant == "eager":
+        return [(variant, lambda: model.decode_step(ids, positions, cache), None)]
+    if variant == "v4compile":
+        step = v4compile.optimize(model, disable=disable).decode_step
+    else:
+        step = torch.compile(model.decode_step, mode=variant.split()[-1], dynamic=False)
+    t0 = time.perf_counter()
+    step(ids, positions, cache)
+    seconds = time.perf_counter() - t0
+    run = lambda: step(ids, positions, cache)  # noqa: E731
+    if variant == "v4compile":
+        return [(variant, graphed(run) if cuda else run, seconds)]
+    steps = [(variant, run, seconds)]
+    if variant.endswith(" default") and cuda:
+        steps.append((f"{variant}+graph", graphed(run), None))
+    return steps
 
 
-def prefill_rows(model: v4compile.DeepSeekV4, tokens: int, modes: list[str], reps: int,
-                 disable: tuple[str, ...]) -> list[dict[str, Any]]:
-    """One row per variant: a prefill of ``tokens`` tokens into an empty cache (batch 1)."""
-    cuda = next(model.parameters()).is_cuda
+def prefill_step(model: v4compile.DeepSeekV4, variant: str, tokens: int,
+                 disable: tuple[str, ...]) -> tuple[str, Step, float | None]:
+    """(variant, step, compile seconds) for a prefill of ``tokens`` tokens into an empty cache (batch 1)."""
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
     cache = model.new_cache(1, tokens + 64)
+    if variant == "eager":
+        return variant, lambda: model(ids, cache=cache), None
+    fn = (v4compile.optimize(model, disable=disable) if variant == "v4compile"
+          else torch.compile(model, mode=variant.split()[-1], dynamic=False))
+    t0 = time.perf_counter()
+    fn(ids, cache=cache)
+    return variant, lambda: fn(ids, cache=cache), time.perf_counter() - t0
+
+
+def run_variant(args: argparse.Namespace, variant: str, phase: str, ready: Any, go: Any, results: Any) -> None:
+    """One variant and phase in a process of its own: builds the slice, prepares the phase (compiling while
+    the others compile), signals ``ready``, waits for ``go`` (so only one process runs on the GPU at a
+    time, with no compiler competing for the host) and sends its rows to ``results``."""
+    try:
+        model = build(args)
+        disable = tuple(d for d in args.disable.split(",") if d)
+        with torch.no_grad():
+            if phase.startswith("decode"):
+                steps = decode_steps(model, variant, int(phase.removeprefix("decode b")), args.context, disable)
+            else:
+                steps = [prefill_step(model, variant, args.prefill, disable)]
+            ready.set()
+            go.wait()
+            for name, fn, seconds in steps:
+                reps = args.eager_reps if name == "eager" else args.reps if phase.startswith("decode") \
+                    else max(3, args.reps // 5)
+                results.put({"phase": phase, "variant": name, "ms": timed(fn, reps, args.device == "cuda"),
+                             "compile_s": seconds})
+    except Exception as exc:  # reported as the variant's row; the other variants still run
+        results.put({"phase": phase, "variant": variant, "error": f"{type(exc).__name__}: {exc}"})
+        ready.set()
+    results.put({"done": True})
+
+
+def build(args: argparse.Namespace) -> v4compile.DeepSeekV4:
+    """The slice with random weights drawn on the device."""
+    config = slice_config(args.layers, max(args.context, args.prefill), args.small, args.experts)
+    model = v4compile.DeepSeekV4(config, seed=None, device=args.device).eval()
+    fill_random_(model, torch.Generator(args.device).manual_seed(0))
+    return model
+
+
+def batches(args: argparse.Namespace) -> list[int]:
+    return [int(b) for b in args.batches.split(",") if b]
+
+
+def measure(args: argparse.Namespace, variants: list[str]) -> list[dict[str, Any]]:
+    """Starts one process per variant and phase, waits up to ``--prepare-s`` for them to compile, then lets
+    them time one after another; one not ready by then gets an error row saying so."""
+    phases = [f"decode b{b}" for b in batches(args)] + ([f"prefill {args.prefill}"] if args.prefill else [])
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = []
+    for phase in phases:
+        for variant in variants:
+            ready, go = ctx.Event(), ctx.Event()
+            proc = ctx.Process(target=run_variant, args=(args, variant, phase, ready, go, results), daemon=True)
+            proc.start()
+            procs.append((variant, phase, proc, ready, go))
+    deadline = time.monotonic() + args.prepare_s
     rows: list[dict[str, Any]] = []
-    variants: list[tuple[str, Callable[..., Any]]] = [("eager", model)]
-    with torch.no_grad():
-        for mode in modes:
-            torch._dynamo.reset()
-            variants.append((f"torch.compile {mode}", torch.compile(model, mode=mode, dynamic=False)))
-        for name, fn in variants:
-            t0 = time.perf_counter()
-            fn(ids, cache=cache)
-            seconds = time.perf_counter() - t0
-            ms = timed(lambda f=fn: f(ids, cache=cache), reps if name != "eager" else 1, cuda)
-            rows.append({"phase": f"prefill {tokens}", "variant": name, "ms": ms,
-                         "compile_s": None if name == "eager" else seconds})
-        torch._dynamo.reset()
-        optimized = v4compile.optimize(model, disable=disable)
-        t0 = time.perf_counter()
-        optimized(ids, cache=cache)
-        seconds = time.perf_counter() - t0
-        rows.append({"phase": f"prefill {tokens}", "variant": "v4compile",
-                     "ms": timed(lambda: optimized(ids, cache=cache), reps, cuda), "compile_s": seconds})
+    for variant, phase, proc, ready, go in procs:
+        if not ready.wait(max(0.0, deadline - time.monotonic())):
+            proc.kill()
+            rows.append({"phase": phase, "variant": variant, "error": f"not compiled within {args.prepare_s:.0f} s"})
+            continue
+        go.set()
+        while True:
+            try:
+                row = results.get(timeout=args.prepare_s)
+            except queue.Empty:
+                rows.append({"phase": phase, "variant": variant, "error": "no result within the time allowed"})
+                proc.kill()
+                break
+            if row.get("done"):
+                break
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            save(args, rows)
+        proc.join()
     return rows
 
 
 def main() -> None:
-    """Builds the slice, measures every phase and variant, prints the table and writes JSON."""
+    """Measures every phase and variant, prints the table and writes JSON."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="small dims (a smoke run)")
@@ -154,36 +215,34 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=16384)
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--prefill", type=int, default=8192, help="prefill tokens (0: skip)")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--eager-reps", type=int, default=3)
     parser.add_argument("--disable", default="", help="v4compile passes to switch off, comma-separated")
     parser.add_argument("--experts", type=int, default=None, help="routed experts (default: Flash's 256)")
+    parser.add_argument("--prepare-s", type=float, default=420.0, help="compile time allowed per variant")
     parser.add_argument("--out", default=None, help="JSON results file")
     args = parser.parse_args()
-    modes = [m for m in args.modes.split(",") if m]
-    disable = tuple(d for d in args.disable.split(",") if d)
-    config = slice_config(args.layers, max(args.context, args.prefill), args.small, args.experts)
-    model = v4compile.DeepSeekV4(config, seed=None, device=args.device).eval()
-    fill_random_(model, torch.Generator(args.device).manual_seed(0))
-    rows: list[dict[str, Any]] = []
-    for batch in (int(b) for b in args.batches.split(",") if b):
-        rows += decode_rows(model, batch, args.context, modes, args.reps, args.eager_reps, disable)
-        save(args, rows)
-    if args.prefill:
-        rows += prefill_rows(model, args.prefill, modes, max(3, args.reps // 5), disable)
+    unknown = [v for v in args.variants.split(",") if v and v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    rows = measure(args, [v for v in args.variants.split(",") if v])
     print(f"\n{'phase':<14} {'variant':<38} {'ms':>10} {'compile s':>10} {'vs best compile':>16}")
-    for phase in dict.fromkeys(r["phase"] for r in rows):
-        group = [r for r in rows if r["phase"] == phase]
+    timed_rows = [r for r in rows if "ms" in r]
+    for phase in dict.fromkeys(r["phase"] for r in timed_rows):
+        group = [r for r in timed_rows if r["phase"] == phase]
         best = min((r["ms"] for r in group if r["variant"].startswith("torch.compile")), default=float("nan"))
         for r in group:
             compile_s = "" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
             print(f"{phase:<14} {r['variant']:<38} {r['ms']:>10.3f} {compile_s:>10} {best / r['ms']:>15.2f}x")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['phase']}, {r['variant']}: {r['error']}")
     save(args, rows)
 
 
 def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
-    """Writes the rows so far to ``args.out`` (kept when a later phase runs out of time)."""
+    """Writes the rows so far to ``args.out`` (kept when a later variant runs out of time)."""
     if args.out:
         device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
         Path(args.out).write_text(json.dumps({"device": device, "args": vars(args), "rows": rows}, indent=1))

@@ -218,6 +218,39 @@ def sparse_attention_row(ceil: dict[str, float], quick: bool, batch: int, heads:
                                                                   f"host call {host_us:.1f} us")
 
 
+def head_padding_row(ceil: dict[str, float], quick: bool, batch: int, heads: int = 8, multiple: int = 64,
+                     selected: int = 768, entries: int = 8192, dim: int = 512) -> Row:
+    """Decode attention with ``heads`` query heads per rank (64 heads at tp=8): "ours" is the head_padding
+    pass's call (zero heads up to the Hopper tile ``multiple``); the note has the kernel run on the real
+    heads alone; eager and torch.compile run the model code on the real heads."""
+    q = torch.randn(batch, 1, heads, dim, device="cuda").bfloat16()
+    kv = torch.randn(batch, entries, dim, device="cuda").bfloat16()
+    sink = torch.randn(heads, device="cuda")
+    index = torch.argsort(torch.rand(batch, 1, entries, device="cuda"), dim=-1)[..., :selected]
+    index[:, :, -7:] = -1
+    scale = dim**-0.5
+
+    def padded() -> torch.Tensor:
+        return ops.sparse_attention_padded(q, kv, sink, index, scale, multiple, "triton")
+
+    def unpadded() -> torch.Tensor:
+        return ops.sparse_attention(q, kv, sink, index, scale, "triton")
+
+    diff = (padded().float() - unpadded().float()).abs().max().item()
+    torch.testing.assert_close(padded(), unpadded())  # head blocks of another size may round one ulp apart
+    compiled = _compiled(reference.sparse_attention)
+    compiled(q, kv, sink, index, scale)
+    moved = batch * (selected * dim * 2 + 2 * heads * dim * 2 + selected * 8)
+    padded_us, unpadded_us = bench(graphed(padded), quick), bench(graphed(unpadded), quick)
+    return Row(f"head padding: sparse attention, {heads} heads/rank padded to {multiple} (CUDA graph)",
+               f"batch {batch}, {selected} entries", padded_us,
+               bench(graphed(lambda: reference.sparse_attention(q, kv, sink, index, scale)), quick),
+               bench(graphed(lambda: compiled(q, kv, sink, index, scale)), quick),
+               1e6 * moved / ceil["copy_bytes_per_s"], moved,
+               note=f"unpadded kernel on {heads} heads {unpadded_us:.1f} us, padded / unpadded "
+                    f"{padded_us / unpadded_us:.2f}x; max |padded - unpadded| {diff:.1e}")
+
+
 def indexer_scores_row(ceil: dict[str, float], quick: bool, batch: int, keys: int = 16384, heads: int = 64,
                        dim: int = 128) -> Row:
     """Lightning-indexer scoring for one decode token per row against ``keys`` compressed keys (64K
@@ -296,6 +329,7 @@ SECTIONS: dict[str, Callable[[dict[str, float], bool], list[Row]]] = {
     "topk": lambda c, q: [topk_row(c, q, batch, k) for batch, k in ((1, 512), (64, 512), (1, 1024), (256, 512))]
     + [topk_row(c, q, 1, 2048, n=1 << 20), topk_row(c, q, 1, 512, ties=True)],
     "attention": lambda c, q: [sparse_attention_row(c, q, batch) for batch in (1, 16, 64, 128)],
+    "head_padding": lambda c, q: [head_padding_row(c, q, batch) for batch in (1, 16, 64)],
     "indexer": lambda c, q: [indexer_scores_row(c, q, batch) for batch in (1, 16, 64)],
     "mhc": lambda c, q: [mhc_row(c, q, batch) for batch in (1, 4, 16, 64)],
 }

@@ -61,13 +61,16 @@ def make_backend(manager: PassManager, inductor: bool = True,
 
 
 def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    """Inductor's ``compile_fx``, with e8m0 scale inputs (FP8/FP4 checkpoints) handed over as their bytes:
-    Inductor's C++ (CPU) code generator has no e8m0 type, and the model decodes scales from bytes anyway.
-    Uses that view the scales as bytes read the input directly; any other use gets an e8m0 view back."""
+    """Inductor's ``compile_fx``, with e8m0 scale inputs on the CPU (FP8/FP4 checkpoints) handed over as their
+    bytes: Inductor's C++ code generator has no e8m0 type, and the model decodes scales from bytes anyway.
+    Uses that view the scales as bytes read the input directly; any other use gets an e8m0 view back. GPU
+    inputs go unchanged: Triton code only sees the model's byte views, and re-viewed inputs there leave
+    Inductor's 32-bit indexing guard on a size Dynamo cannot trace back to an input (torch 2.11, H200)."""
     from torch._inductor.compile_fx import compile_fx
 
     e8m0 = torch.float8_e8m0fnu
-    as_bytes = {i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and x.dtype == e8m0}
+    as_bytes = {i for i, x in enumerate(example_inputs)
+                if isinstance(x, torch.Tensor) and x.dtype == e8m0 and x.device.type == "cpu"}
     if not as_bytes:
         return compile_fx(gm, example_inputs)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

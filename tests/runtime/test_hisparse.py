@@ -5,6 +5,8 @@ step's working set is refused at start."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -27,24 +29,34 @@ def model() -> DeepSeekV4:
     return DeepSeekV4(V4Config.preset("tiny", max_seq_len=MAX_LEN), seed=3).eval()
 
 
+ON_DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+"""The same checks on the CPU (both tiers in host memory) and on a GPU (pinned host tier, device hot buffer)."""
+
+
+def _on(model: DeepSeekV4, device: str) -> DeepSeekV4:
+    return model if device == "cpu" else copy.deepcopy(model).to(device)
+
+
 def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_decode_equals_a_resident_cache_while_every_step_swaps(model: DeepSeekV4) -> None:
+@ON_DEVICES
+def test_decode_equals_a_resident_cache_while_every_step_swaps(model: DeepSeekV4, device: str) -> None:
+    model = _on(model, device)
     config, rows = model.config, 3
-    hisparse = HiSparse(config, rows, MAX_LEN, min_hot_entries(rows, config.index_topk, 2), "cpu")
-    caches = [model.new_cache(rows, MAX_LEN), HiSparseCache(config, hisparse)]
+    hisparse = HiSparse(config, rows, MAX_LEN, min_hot_entries(rows, config.index_topk, 2), device)
+    caches = [model.new_cache(rows, MAX_LEN), HiSparseCache(config, hisparse, device)]
     prompts = [_ids(61, 1), _ids(130, 2), _ids(95, 3)]
     tokens = []
     with torch.no_grad():
         for row, prompt in enumerate(prompts):
             staging = model.new_cache(1, MAX_LEN)
-            tokens.append(int(model(torch.tensor([prompt]), cache=staging)[0, -1].argmax()))
+            tokens.append(int(model(torch.tensor([prompt], device=device), cache=staging)[0, -1].argmax()))
             for cache in caches:
                 cache.copy_row(row, staging, 0)
-        positions = torch.tensor([len(p) for p in prompts])
-        ids = torch.tensor(tokens).view(rows, 1)
+        positions = torch.tensor([len(p) for p in prompts], device=device)
+        ids = torch.tensor(tokens, device=device).view(rows, 1)
         fetched = []
         for step in range(9):
             if step == 3:  # the engine's compaction: row 1 finished, row 2 moves down, row 2 becomes padding
@@ -60,7 +72,7 @@ def test_decode_equals_a_resident_cache_while_every_step_swaps(model: DeepSeekV4
                 out = (model.decode_tokens(step_ids, positions, cache)[0] if draft
                        else model.decode_step(step_ids, positions, cache))
                 if draft:
-                    cache.rollback_draft(checkpoint, torch.arange(rows), positions + 1)
+                    cache.rollback_draft(checkpoint, torch.arange(rows, device=device), positions + 1)
                 logits.append(out)
             assert torch.equal(logits[0], logits[1]), f"step {step}"
             ids = logits[0][:, 0].argmax(-1, keepdim=True)
@@ -72,7 +84,11 @@ def test_decode_equals_a_resident_cache_while_every_step_swaps(model: DeepSeekV4
     assert stats["bytes_per_step"] > 0
 
 
-def test_engine_greedy_equals_without_and_prefix_hits_come_from_the_host_tier(model: DeepSeekV4) -> None:
+@ON_DEVICES
+def test_engine_greedy_equals_without_and_prefix_hits_come_from_the_host_tier(model: DeepSeekV4,
+                                                                               device: str) -> None:
+    model = _on(model, device)
+
     def conversation(engine: Engine) -> list[list[int]]:
         first = [_ids(140, 4), _ids(200, 5), _ids(75, 6)]
         outs = engine.generate(first, 5)

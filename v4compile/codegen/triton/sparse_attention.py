@@ -125,15 +125,17 @@ def kernel_name(dim: int, low: bool, rounded_p: bool = False) -> str:
 
 
 def launch_config(rows: int, heads: int, k_total: int, cuda: bool) -> dict[str, int]:
-    """Head block by batch (small blocks while rows are few), 64 entries a step, and the entries split
-    over up to 4 programs while rows x head blocks stay under about 128 programs (H200 sweep: more
-    splits cost more in the combine than they gain)."""
+    """Head block by batch (16 heads while rows are few, else 32: 64-head blocks spill the two-term
+    probabilities' registers, 2-4x slower), 64 entries a step (32 with 4 warps from 128 rows), and the
+    entries split over up to 4 programs while rows x head blocks stay under about 128 programs (H200 sweep
+    of 48 configs at 16/64/128 rows: more splits cost more in the combine than they gain)."""
     if not cuda:
         return {"BLOCK_H": min(16, max(16, triton_next_pow2(heads))), "BLOCK_K": 16, "SPLITS": 1, "num_warps": 4}
-    block_h = min(16 if rows < 16 else 32 if rows < 64 else 64, max(16, triton_next_pow2(heads)))
+    block_h = min(16 if rows < 32 else 32, max(16, triton_next_pow2(heads)))
     programs = rows * triton.cdiv(heads, block_h)
     splits = max(1, min(4, 128 // programs, triton.cdiv(k_total, 64)))
-    return {"BLOCK_H": block_h, "BLOCK_K": 64, "SPLITS": splits, "num_warps": 8}
+    wide = rows >= 128
+    return {"BLOCK_H": block_h, "BLOCK_K": 32 if wide else 64, "SPLITS": splits, "num_warps": 4 if wide else 8}
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, index: torch.Tensor,
