@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import batch_invariant
 from .backend import make_backend
 from .codegen.ops import KERNEL_BACKENDS
 from .passes import PASSES, build_passes
@@ -111,20 +112,20 @@ def optimize(model: nn.Module, *, backend: str = "auto", passes: list[str] | Non
     dump each graph when a pass changed it. ``check``: compare every rewritten region with the original
     while running (the graph then runs eagerly). ``fuel``: stop after that many rewrites (bisecting).
     ``inductor=False`` runs the rewritten graph eagerly instead of through Inductor. ``deterministic``:
-    bitwise-repeatable results (RL training): switches torch to deterministic algorithms for the whole
-    process (``torch.use_deterministic_algorithms``) and Inductor to deterministic codegen; the v4compile
-    kernels reduce in a fixed order already (the top-k's atomics only pick slots, ranks fix the order).
+    bitwise-repeatable and batch-invariant results (RL training): switches torch to deterministic algorithms
+    and batch-invariant matrix products (``v4compile.batch_invariant``) for the whole process and runs the
+    rewritten graph on aten kernels (Inductor's generated code would bypass the batch-invariant products);
+    the v4compile kernels reduce in a fixed order already (the top-k's atomics only pick slots, ranks fix
+    the order).
     ``tp``: the tensor-parallel degree the model was built or loaded for (``tp_size``); above 1 this must run
     inside an initialised process group of that many ranks (torchrun; gloo on CPU, NCCL on GPU), and the
     collectives are captured into each compiled graph.
     """
     check_tensor_parallel(model, tp)
     if deterministic:
-        import torch._inductor.config as inductor_config
-
         torch.use_deterministic_algorithms(True)
-        if hasattr(inductor_config, "deterministic"):
-            inductor_config.deterministic = True
+        batch_invariant.enable()
+        inductor = False
     kernel_backend = resolve_backend(backend)
     unknown = [n for n in disable if n not in PASSES]
     if unknown:

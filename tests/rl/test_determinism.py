@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import v4compile
-from v4compile import DeepSeekV4, V4Config
+from v4compile import DeepSeekV4, V4Config, batch_invariant
 from v4compile.runtime.engine import Engine
 
 
@@ -15,6 +15,7 @@ from v4compile.runtime.engine import Engine
 def _restore_determinism():  # type: ignore[no-untyped-def]
     yield
     torch.use_deterministic_algorithms(False)
+    batch_invariant.disable()
 
 
 def test_optimized_forward_and_gradients_repeat_bitwise() -> None:

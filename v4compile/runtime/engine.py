@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import batch_invariant
 from ..model.cache import V4Cache
 from ..model.config import V4Config
 from ..model.routing import Routing
@@ -50,8 +51,9 @@ class Engine:
     of the cache ``chunk``); ``decode_buckets`` are the static decode batch sizes (default: powers of two
     up to ``max_batch``). ``tail_every`` > 0 also caches a window tail every that many chunks while a prompt
     is prefilled (fewer tokens recomputed after a branch, more bytes); 0 keeps one at the prompt's end only.
-    ``deterministic``: one decode bucket (every step the same shapes, so a sequence's log-probs do not
-    depend on what else runs) and torch's deterministic algorithms for the process.
+    ``deterministic``: one decode bucket (every step the same shapes), torch's deterministic algorithms and
+    batch-invariant matrix products for the process (``v4compile.batch_invariant``), so a sequence's
+    log-probs depend neither on what else runs nor on how its tokens were split into chunks and steps.
 
     ``hisparse_budget`` (bytes, part of ``memory_budget``) turns on HiSparse with a hot buffer of that size:
     decode rows keep their C4 main entries in a host tier (so each costs far less of the budget and more
@@ -80,6 +82,7 @@ class Engine:
                                                       max_batch)
         if deterministic:
             torch.use_deterministic_algorithms(True)
+            batch_invariant.enable()
             decode_buckets = (self.max_batch,)
         self.buckets = tuple(sorted(decode_buckets)) if decode_buckets else _powers_of_two(self.max_batch)
         if self.buckets[-1] < self.max_batch:
