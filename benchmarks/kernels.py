@@ -187,16 +187,23 @@ def topk_row(ceil: dict[str, float], quick: bool, batch: int, k: int, n: int = 2
                     f"as a host call {host_us:.1f} us")
 
 
-def sparse_attention_row(ceil: dict[str, float], quick: bool, batch: int, heads: int = 64, selected: int = 768,
-                         entries: int = 8192, dim: int = 512) -> Row:
-    """Decode attention of one C4 layer at 16K context: 128 window + 512 selected + 128 C128-sized
-    entries per row (distinct, 7 masked), ``heads`` query heads, head dim 512, bf16 KV."""
+def attention_inputs(batch: int, heads: int, selected: int, entries: int,
+                     dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """One decode query per row (bf16), ``entries`` bf16 KV entries, a random sink, ``selected`` distinct
+    entry ids per row with the last 7 masked (-1), and the softmax scale."""
     q = torch.randn(batch, 1, heads, dim, device="cuda").bfloat16()
     kv = torch.randn(batch, entries, dim, device="cuda").bfloat16()
     sink = torch.randn(heads, device="cuda")
     index = torch.argsort(torch.rand(batch, 1, entries, device="cuda"), dim=-1)[..., :selected]
     index[:, :, -7:] = -1
-    scale = dim**-0.5
+    return q, kv, sink, index, dim**-0.5
+
+
+def sparse_attention_row(ceil: dict[str, float], quick: bool, batch: int, heads: int = 64, selected: int = 768,
+                         entries: int = 8192, dim: int = 512) -> Row:
+    """Decode attention of one C4 layer at 16K context: 128 window + 512 selected + 128 C128-sized
+    entries per row (distinct, 7 masked), ``heads`` query heads, head dim 512, bf16 KV."""
+    q, kv, sink, index, scale = attention_inputs(batch, heads, selected, entries, dim)
     want = reference.sparse_attention(q.double(), kv.double(), sink.double(), index, scale)
     _check(ops.sparse_attention(q, kv, sink, index, scale, "triton"), want, "sparse attention", tol=1e-2)
     _ran(f"sparse_attention.d{dim}")
@@ -223,12 +230,7 @@ def head_padding_row(ceil: dict[str, float], quick: bool, batch: int, heads: int
     """Decode attention with ``heads`` query heads per rank (64 heads at tp=8): "ours" is the head_padding
     pass's call (zero heads up to the Hopper tile ``multiple``); the note has the kernel run on the real
     heads alone; eager and torch.compile run the model code on the real heads."""
-    q = torch.randn(batch, 1, heads, dim, device="cuda").bfloat16()
-    kv = torch.randn(batch, entries, dim, device="cuda").bfloat16()
-    sink = torch.randn(heads, device="cuda")
-    index = torch.argsort(torch.rand(batch, 1, entries, device="cuda"), dim=-1)[..., :selected]
-    index[:, :, -7:] = -1
-    scale = dim**-0.5
+    q, kv, sink, index, scale = attention_inputs(batch, heads, selected, entries, dim)
 
     def padded() -> torch.Tensor:
         return ops.sparse_attention_padded(q, kv, sink, index, scale, multiple, "triton")
