@@ -88,7 +88,7 @@ class Attention(nn.Module):
     # ------------------------------------------------------------------ shared pieces
     def _queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = self.wq_b(self.tp.region_input(qr)).unflatten(-1, (self.n_heads, self.head_dim))
         q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)
         return apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)), qr
 
@@ -132,7 +132,7 @@ class Attention(nn.Module):
             keys, index = _append(keys, index, entries, chosen)
         if cache is not None:
             self._store_window(kv, cache)
-        o = sparse_attention(q, keys, self.attn_sink, index, self.softmax_scale)
+        o = sparse_attention(q, self.tp.region_input(keys), self.attn_sink, index, self.softmax_scale)
         return self._output(o, cos, sin)
 
     def _store_window(self, kv: torch.Tensor, cache: LayerCache) -> None:
@@ -168,7 +168,7 @@ class Attention(nn.Module):
             keys, index = _append(keys, index, entries, chosen)
         keep = min(seqlen, self.window)
         cache.window[:bsz, positions[seqlen - keep :] % self.window] = kv[:, seqlen - keep :]
-        o = sparse_attention(q, keys, self.attn_sink, index, self.softmax_scale)
+        o = sparse_attention(q, self.tp.region_input(keys), self.attn_sink, index, self.softmax_scale)
         return self._output(o, cos, sin)
 
     # ------------------------------------------------------------------ decode
@@ -189,7 +189,7 @@ class Attention(nn.Module):
         if self.ratio:
             keys, index = self._decode_compressed(x, qr, positions, positions.view(bsz, 1), cos, sin, cache, routing,
                                                   layer, keys, index)
-        o = sparse_attention(q, keys, self.attn_sink, index, self.softmax_scale)
+        o = sparse_attention(q, self.tp.region_input(keys), self.attn_sink, index, self.softmax_scale)
         return self._output(o, cos, sin)
 
     def _decode_compressed(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, pos: torch.Tensor,
@@ -230,5 +230,5 @@ class Attention(nn.Module):
         if self.ratio:
             keys, index = self._decode_compressed(x, qr, positions, pos, cos, sin, cache, routing, layer, keys, index)
         cache.window[rows.unsqueeze(-1), pos % self.window] = kv
-        o = sparse_attention(q, keys, self.attn_sink, index, self.softmax_scale)
+        o = sparse_attention(q, self.tp.region_input(keys), self.attn_sink, index, self.softmax_scale)
         return self._output(o, cos, sin)

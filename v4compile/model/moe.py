@@ -105,7 +105,8 @@ class MoE(nn.Module):
         combine = torch.zeros(flat.shape[0], self.n_experts, dtype=torch.float32, device=x.device)
         combine = combine.scatter(1, ids, weights)
         y = torch.zeros(flat.shape, dtype=torch.float32, device=x.device)
+        tokens, combine = self.tp.region_input(flat), self.tp.region_input(combine)
         for e, expert in enumerate(self.experts, start=self.first):
-            y = y + expert(flat, combine[:, e : e + 1]).float()
+            y = y + expert(tokens, combine[:, e : e + 1]).float()
         y = self.tp.all_reduce(y) + self.shared_experts(flat).float()
         return y.to(x.dtype).view(x.shape)

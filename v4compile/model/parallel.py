@@ -12,6 +12,11 @@ With ``size`` ranks, rank r holds part r of every split dimension:
   local logits all-gathered along the vocabulary.
 Everything else (KV, compressors, mHC, norms, router, shared expert, MTP projections) is replicated.
 The collectives are ``torch.ops._c10d_functional`` ops, which torch.compile captures into the graph.
+Training (Megatron's f and g): an all-reduce passes its gradient through, and a replicated tensor entering a
+split region (``region_input``: the query latent and the KV entries before the local heads, the tokens and
+combine weights before the local experts, the final hidden state before the local vocabulary) sums the ranks'
+gradients in fp32, so every replicated parameter (KV path, compressors, mHC, norms, router, shared expert)
+gets its whole gradient on every rank.
 At ``size == 1`` every helper returns its input: the model runs exactly the single-process code.
 """
 
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -109,19 +114,30 @@ class TensorParallel:
         return self.group_name
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of ``x`` over the ranks (``x`` itself at size 1)."""
+        """The sum of ``x`` over the ranks (``x`` itself at size 1): where the ranks' partial results of a
+        split region meet. Its gradient passes through unchanged (every rank already holds the whole one)."""
         if self.size == 1:
             return x
-        ops = torch.ops._c10d_functional
-        return ops.wait_tensor(ops.all_reduce(x, "sum", self._group()))
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _tp_sum(x, self._group())
+        return _all_reduce(x, self._group())
+
+    def region_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` itself, marking a replicated tensor that enters a split region (local heads, local experts,
+        local vocabulary): each rank's gradient of it covers only its own part, so the backward sums the
+        ranks' gradients, in fp32 whatever ``x``'s dtype (the compressor's and KV path's precision control)."""
+        if self.size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
+            return x
+        return _tp_enter(x, self._group())
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``x`` concatenated along the last dim in rank order (``x`` itself at size 1)."""
+        """Every rank's ``x`` concatenated along the last dim in rank order (``x`` itself at size 1); the
+        gradient of a rank's part is its slice of the whole gradient."""
         if self.size == 1:
             return x
-        ops = torch.ops._c10d_functional
-        gathered = ops.wait_tensor(ops.all_gather_into_tensor(x.contiguous(), self.size, self._group()))
-        return torch.cat(gathered.chunk(self.size, dim=0), dim=-1)
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _tp_gather(x, self._group(), self.size, self.rank)
+        return _all_gather(x, self._group(), self.size)
 
     def placement(self, name: str, shape: tuple[int, ...], config: V4Config) -> Placement | None:
         """Where this rank keeps full tensor ``name`` (official name, full ``shape``): None when another
@@ -137,3 +153,59 @@ class TensorParallel:
             if pattern.search(name):
                 return Placement(name, dim, *self.part(shape[dim]))
         return Placement(name)
+
+
+def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(ops.all_reduce(x, "sum", group))
+
+
+def _all_gather(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
+    ops = torch.ops._c10d_functional
+    gathered = ops.wait_tensor(ops.all_gather_into_tensor(x.contiguous(), size, group))
+    return torch.cat(gathered.chunk(size, dim=0), dim=-1)
+
+
+@torch.library.custom_op("v4compile::tp_sum", mutates_args=())
+def _tp_sum(x: torch.Tensor, group: str) -> torch.Tensor:
+    """The all-reduce as one differentiable op (training): its gradient passes through."""
+    return _all_reduce(x, group)
+
+
+@_tp_sum.register_fake
+def _(x: torch.Tensor, group: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("v4compile::tp_enter", mutates_args=())
+def _tp_enter(x: torch.Tensor, group: str) -> torch.Tensor:
+    """The identity as one differentiable op whose gradient is the fp32 all-reduce of the ranks' gradients."""
+    return x.clone()
+
+
+@_tp_enter.register_fake
+def _(x: torch.Tensor, group: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("v4compile::tp_gather", mutates_args=())
+def _tp_gather(x: torch.Tensor, group: str, size: int, rank: int) -> torch.Tensor:
+    """The all-gather along the last dim as one differentiable op: a rank's gradient is its slice."""
+    return _all_gather(x, group, size)
+
+
+@_tp_gather.register_fake
+def _(x: torch.Tensor, group: str, size: int, rank: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], x.shape[-1] * size)
+
+
+def _save_args(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.args = inputs[1:]
+
+
+_tp_sum.register_autograd(lambda ctx, grad: (grad, None), setup_context=_save_args)
+_tp_enter.register_autograd(
+    lambda ctx, grad: (_all_reduce(grad.float(), ctx.args[0]).to(grad.dtype), None), setup_context=_save_args)
+_tp_gather.register_autograd(
+    lambda ctx, grad: (grad.chunk(ctx.args[1], dim=-1)[ctx.args[2]].contiguous(), None, None, None),
+    setup_context=_save_args)

@@ -154,7 +154,7 @@ class DeepSeekV4(nn.Module):
         """fp32 logits from final streams: mHC head, final RMSNorm, output head."""
         h = hc_head(streams, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.config.hc_eps,
                     self.config.norm_eps)
-        return self.tp.all_gather(self.head(self.norm(h)))
+        return self.tp.all_gather(self.head(self.tp.region_input(self.norm(h).float())))
 
     def forward(self, input_ids: torch.Tensor, cache: V4Cache | None = None,
                 routing: Routing | None = None) -> torch.Tensor:
@@ -230,7 +230,7 @@ class DeepSeekV4(nn.Module):
         x = block(x, next_ids, cache, positions=positions, start=start)
         h = hc_head(x, block.hc_head_fn, block.hc_head_scale, block.hc_head_base, self.config.hc_eps,
                     self.config.norm_eps)
-        return self.tp.all_gather(self.head(block.norm(h)))
+        return self.tp.all_gather(self.head(self.tp.region_input(block.norm(h).float())))
 
     def mtp_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor, k: int = 0) -> torch.Tensor:
         """Logits [B, S, vocab] of MTP block ``k`` from main-model streams ``hidden`` [B, S, n, D] and ``input_ids``."""

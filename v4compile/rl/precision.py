@@ -1,6 +1,7 @@
 """Per-tensor precision report: how close two configurations of the same model are, activation by
 activation and gradient by gradient (for example the eager model against the optimized one, bf16
-against fp32 compressor math, or tp=1 against tp=2 once gathered)."""
+against fp32 compressor math, or tp=1 against one tensor-parallel rank, whose parameters are parts of the
+single-process ones)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from ..model.parallel import Placement
 
 
 @dataclass
@@ -23,10 +26,14 @@ class TensorAgreement:
 
 def precision_report(model_a: nn.Module, model_b: nn.Module, run_a: Callable[[], torch.Tensor],
                      run_b: Callable[[], torch.Tensor], modules: tuple[type[nn.Module], ...] = (nn.Module,),
+                     placement: Callable[[str, tuple[int, ...]], Placement | None] | None = None,
                      ) -> list[TensorAgreement]:
     """Runs ``run_a`` (a forward of ``model_a`` returning a tensor) and ``run_b`` likewise, backpropagates
     the sum of each output's log-softmax mean, and compares every module output (of a type in ``modules``,
-    by qualified name) and every parameter gradient present in both. Sorted worst cosine first."""
+    by qualified name) and every parameter gradient present in both. ``placement`` maps a parameter of
+    ``model_a`` (name, shape) to where ``model_b`` keeps its part, for a tensor-parallel rank
+    (``lambda n, s: shard.tp.placement(n, s, shard.config)``); parameters it places nowhere (another rank's
+    experts) are left out. Sorted worst cosine first."""
     acts_a, acts_b = _record(model_a, modules), _record(model_b, modules)
     try:
         for run, model in ((run_a, model_a), (run_b, model_b)):
@@ -41,8 +48,9 @@ def precision_report(model_a: nn.Module, model_b: nn.Module, run_a: Callable[[],
             for name in acts_a.values.keys() & acts_b.values.keys()]
     grads_b = {name: p.grad for name, p in model_b.named_parameters() if p.grad is not None}
     for name, p in model_a.named_parameters():
-        if p.grad is not None and name in grads_b:
-            rows.append(_compare(name, "gradient", p.grad, grads_b[name]))
+        place = Placement(name) if placement is None or p.grad is None else placement(name, tuple(p.grad.shape))
+        if p.grad is not None and place is not None and place.name in grads_b:
+            rows.append(_compare(place.name, "gradient", place.take(p.grad), grads_b[place.name]))
     return sorted(rows, key=lambda r: r.cosine)
 
 
@@ -67,6 +75,8 @@ def _compare(name: str, kind: str, a: torch.Tensor, b: torch.Tensor) -> TensorAg
     a, b = a.double().flatten(), b.double().flatten()
     if a.shape != b.shape:
         return TensorAgreement(name, kind, float("nan"), float("nan"))
+    if not a.any() and not b.any():
+        return TensorAgreement(name, kind, 1.0, 0.0)
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=0, eps=1e-30).item()
     rel = ((a - b).norm() / a.norm().clamp_min(1e-30)).item()
     return TensorAgreement(name, kind, cosine, rel)
