@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import socket
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo import process_group, run_ranks
 from safetensors.torch import load_file, save_file
 
 import v4compile
@@ -76,10 +72,7 @@ def _logits(model: object, golden: Path, folder: str, eager: bool = True) -> dic
 def _worker(rank: int, port: int, golden: str, out: str) -> None:
     """One rank: eager logits of both golden folders, and optimized ones (every pass) of OPTIMIZED; rank 0
     saves them to ``out``."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=TP, timeout=timedelta(seconds=600))
-    try:
+    with process_group(rank, port, TP):
         results: dict[str, object] = {}
         for folder in FOLDERS:
             model = v4compile.load(Path(golden) / folder, tp_rank=rank, tp_size=TP).eval()
@@ -90,21 +83,13 @@ def _worker(rank: int, port: int, golden: str, out: str) -> None:
                                         "graphs": len(optimized.reports()), "report": optimized.report()}
         if rank == 0:
             torch.save(results, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def tp2(golden_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """The tp=2 results, computed once by two spawned processes on gloo."""
     out = tmp_path_factory.mktemp("tp2") / "results.pt"
-    mp.spawn(_worker, args=(_free_port(), str(golden_root), str(out)), nprocs=TP, join=True)
+    run_ranks(_worker, TP, str(golden_root), str(out))
     return torch.load(out, weights_only=False)
 
 

@@ -7,15 +7,11 @@ gives the eager shard's gradients within the passes' tolerance."""
 
 from __future__ import annotations
 
-import os
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo import process_group, run_ranks
 
 import v4compile
 from v4compile import DeepSeekV4, V4Config
@@ -30,10 +26,7 @@ REPLICATED = ("layers.1.attn.compressor.wkv.weight", "layers.1.attn.wkv.weight",
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=TP, timeout=timedelta(seconds=600))
-    try:
+    with process_group(rank, port, TP):
         config = V4Config.preset("tiny", max_seq_len=256)
         single = DeepSeekV4(config, seed=0)
         shard = DeepSeekV4(config, seed=0, tp_rank=rank, tp_size=TP)
@@ -52,20 +45,12 @@ def _worker(rank: int, port: int, out: str) -> None:
         through_passes = {name: p.grad for name, p in shard.named_parameters() if name in REPLICATED}
         torch.save({"rows": rows, "replicated": grads, "with_grad": counted, "optimized": through_passes},
                    Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("tp_training")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=TP, join=True)
+    run_ranks(_worker, TP, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(TP)]
 
 
