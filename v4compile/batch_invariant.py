@@ -54,6 +54,8 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float 
     product = _blocked_mm(a, b)
     if alpha != 1:
         product = product * alpha
+    if beta == 0:  # as aten: the bias is ignored, NaNs included
+        return product
     return product + (bias if beta == 1 else bias * beta)
 
 

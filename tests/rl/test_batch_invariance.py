@@ -35,6 +35,7 @@ def test_a_rows_product_does_not_depend_on_the_other_rows(invariant: None, dtype
         assert torch.equal(F.linear(x[rows], w), whole[rows])
     bias = torch.randn(384, generator=gen).to(dtype)
     assert torch.equal(F.linear(x[5:6], w, bias), F.linear(x, w, bias)[5:6])
+    assert torch.equal(torch.addmm(torch.full_like(bias, float("nan")), x, w.t(), beta=0), whole)
     a, b = torch.randn(3, 150, 32, generator=gen).to(dtype), torch.randn(3, 32, 16, generator=gen).to(dtype)
     assert torch.equal(torch.bmm(a[:, 7:9], b), torch.bmm(a, b)[:, 7:9])
     torch.testing.assert_close(whole.float(), (x.double() @ w.double().t()).float(), rtol=2e-2, atol=2e-2)
