@@ -3,12 +3,15 @@ greedy token, restored caches equal recomputation bit for bit, and bad requests 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from v4compile import DeepSeekV4, V4Config
 from v4compile.model.cache import V4Cache
 from v4compile.runtime.engine import Engine
+from v4compile.runtime.hisparse import min_hot_entries, slot_bytes
 from v4compile.runtime.prefix_store import PrefixStore
 
 
@@ -149,3 +152,32 @@ def test_mtp_speculation_accepts_right_drafts_and_changes_no_token(model: DeepSe
     assert all(len(r.tokens) == 10 and r.mtp_drafted >= 5 for r in mtp)
     with pytest.raises(ValueError, match="greedy only"):
         Engine(model).generate(prompts, 4, temperature=0.5, mtp=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hisparse", [False, True], ids=["resident", "hisparse"])
+def test_cuda_graph_decode_equals_launched_decode(model: DeepSeekV4, hisparse: bool) -> None:
+    """Replayed decode buckets (several sizes, rows finishing and moving, prefix hits) give the same tokens and
+    log-probs as launching every step; recording routing falls back to launched steps."""
+    gpu = copy.deepcopy(model).cuda()
+    options = {"max_batch": 3, "decode_buckets": (1, 2, 3)}
+    if hisparse:
+        options["hisparse_budget"] = min_hot_entries(3, gpu.config.index_topk) * slot_bytes(gpu.config)
+
+    def run(engine: Engine) -> tuple[list[list[int]], list[list[float]]]:
+        first = engine.generate([_ids(140, 4), _ids(200, 5), _ids(75, 6)], [3, 7, 5])
+        again = engine.generate([_ids(140, 4) + first[0].tokens + _ids(20, 7), _ids(90, 8)], 6)
+        return [r.tokens for r in first + again], [r.logprobs for r in first + again]
+
+    launched = run(Engine(gpu, **options))
+    graphed = Engine(gpu, cuda_graphs=True, **options)
+    assert run(graphed) == launched
+    assert graphed.graphs is not None and sorted(graphed.graphs.graphs) == [1, 2, 3]
+    recorded = graphed.generate([_ids(50, 9)], 3, record_routing=True)[0]
+    plain = Engine(gpu, **options).generate([_ids(50, 9)], 3)[0]
+    assert recorded.routing is not None and recorded.tokens == plain.tokens
+
+
+def test_cuda_graphs_need_a_cuda_model(model: DeepSeekV4) -> None:
+    with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device; it is on cpu"):
+        Engine(model, cuda_graphs=True)

@@ -20,6 +20,7 @@ from .. import batch_invariant
 from ..model.cache import V4Cache
 from ..model.config import V4Config
 from ..model.routing import Routing
+from .decode_graphs import DecodeGraphs
 from .hisparse import HiSparse, HiSparseCache, device_row_bytes, slot_bytes
 from .prefix_store import PrefixStore
 from .requests import RequestError, RequestOutput
@@ -59,12 +60,17 @@ class Engine:
     decode rows keep their C4 main entries in a host tier (so each costs far less of the budget and more
     of them fit), the prefix cache keeps its C4 main entries in host memory too, and each decode step brings
     the chosen entries into the hot buffer (see ``hisparse.py``). A hot buffer smaller than one step's
-    working set is a ValueError here (or in ``generate`` for MTP, whose steps take two tokens per row)."""
+    working set is a ValueError here (or in ``generate`` for MTP, whose steps take two tokens per row).
+
+    ``cuda_graphs`` (CUDA only) captures each decode bucket's step in a CUDA graph on its first use and
+    replays it after (``decode_graphs.py``); steps that record routing or verify drafts run without one.
+    Opt-in until it has run on a GPU."""
 
     def __init__(self, model: torch.nn.Module, *, memory_budget: int | None = None, max_batch_tokens: int = 128,
                  max_batch: int = 4, max_prefills: int = 1, chunk: int | None = None, prefix_cache: bool = True,
                  decode_buckets: tuple[int, ...] | None = None, max_seq_len: int | None = None,
-                 tail_every: int = 0, deterministic: bool = False, hisparse_budget: int | None = None) -> None:
+                 tail_every: int = 0, deterministic: bool = False, hisparse_budget: int | None = None,
+                 cuda_graphs: bool = False) -> None:
         self.model = model
         config = model.config
         self.config = config
@@ -100,6 +106,9 @@ class Engine:
         self.tail_every = tail_every
         self.speculate = False
         self.recording = False
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device; it is on {self.device}")
+        self.graphs = DecodeGraphs(self._plain_decode) if cuda_graphs else None
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int] = 16, temperature: float = 0.0,
@@ -143,9 +152,12 @@ class Engine:
 
     def weights_updated(self) -> None:
         """Call after changing the model's weights (an RL step): drops every cached prefix, whose KV the old
-        weights computed. The engine runs the model object it was given, so new weights serve at once."""
+        weights computed, and any decode CUDA graphs (captured with the old weights' addresses). The engine
+        runs the model object it was given, so new weights serve at once."""
         if self.store is not None:
             self.store = self._new_store()
+        if self.graphs is not None:  # graphs hold the addresses of the weights they were captured with
+            self.graphs = DecodeGraphs(self._plain_decode)
 
     def stats(self) -> dict[str, object]:
         """Prefix-cache pools and tree statistics (none without a prefix cache) and, with HiSparse, its
@@ -262,12 +274,18 @@ class Engine:
     def _decode_step(self, decoding: list[_Request], temperature: float, top_p: float) -> None:
         cache, ids, positions = self._step_inputs(decoding, speculative=False)
         routing = self._recorder()
-        logits = self.model.decode_step(ids, positions, cache, routing)
+        if self.graphs is not None and routing is None:
+            logits = self.graphs.step(ids, positions, cache)
+        else:
+            logits = self.model.decode_step(ids, positions, cache, routing)
         for req in decoding:
             self._emit(req, logits[req.row, 0], temperature, top_p)
             if routing is not None:
                 req.routing.append(_row(routing, req.row, 1))
         self._compact(decoding)
+
+    def _plain_decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: V4Cache) -> torch.Tensor:
+        return self.model.decode_step(ids, positions, cache, None)
 
     def _speculative_step(self, decoding: list[_Request]) -> None:
         """Verifies every row's current token and draft in one step; a row whose draft the main model
