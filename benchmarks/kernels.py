@@ -49,8 +49,9 @@ def bench(fn: Callable[[], object], quick: bool) -> float:
     return 1e3 * do_bench(fn, warmup=25 if quick else 100, rep=100 if quick else 400, return_mode="median")
 
 
-def graphed(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` captured in a CUDA graph; returns the replay (launch gaps gone, as in the runtime's decode)."""
+def capture_graph(fn: Callable[[], object]) -> tuple[Callable[[], None], object]:
+    """``fn`` captured in a CUDA graph after two warm-up calls on a side stream: the replay and the output
+    buffer each replay writes."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -59,8 +60,13 @@ def graphed(fn: Callable[[], object]) -> Callable[[], object]:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+        out = fn()
+    return graph.replay, out
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph; returns the replay (launch gaps gone, as in the runtime's decode)."""
+    return capture_graph(fn)[0]
 
 
 def in_graph_us(fn: Callable[[], object], quick: bool, repeat: int = 20) -> float:

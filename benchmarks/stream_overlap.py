@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from kernels import capture_graph  # benchmarks/kernels.py: the CUDA-graph capture the kernel table uses
 from torch import fx
 
 import v4compile
@@ -53,7 +54,7 @@ def model_and_cache(name: str, batch: int, device: str = "cuda") -> tuple[v4comp
     gen = torch.Generator(device=device).manual_seed(1)
     fill_random_(model, gen)
     cache = model.new_cache(batch)
-    for t in _tensors(cache):
+    for t in cache.tensors():
         if t.is_floating_point():
             t.copy_(torch.randn(t.shape, device=device, generator=gen) * 0.5)
     return model, cache, context
@@ -92,14 +93,6 @@ def fill_random_(model: v4compile.DeepSeekV4, gen: torch.Generator) -> None:
             t.copy_(randn(t, 0.1 if leaf == "ape" else t.shape[-1] ** -0.5))
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors(item)]
-    if hasattr(obj, "__dict__"):
-        return [t for value in vars(obj).values() for t in _tensors(value)]
-    return []
 
 
 def capture(model: v4compile.DeepSeekV4, cache: v4compile.V4Cache, batch: int, context: int,
@@ -126,20 +119,6 @@ def capture(model: v4compile.DeepSeekV4, cache: v4compile.V4Cache, batch: int, c
     with torch.no_grad():
         torch.compile(model.decode_step, backend=record_backend, dynamic=False)(ids, positions, cache)
     return got["gm"], got["fakes"], got["args"]
-
-
-def graphed(fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
-    """``fn`` captured in a CUDA graph (after two warm-up calls on a side stream): the replay and its output."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph.replay, out
 
 
 def bench_us(replay: Callable[[], None]) -> float:
@@ -178,7 +157,7 @@ def row(name: str, batch: int, inductor: bool, min_branch_us: float) -> dict[str
             outputs[key] = fn(*fresh)[0]
         for key, fn in variants.items():
             fresh = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-            replay, out = graphed(lambda fn=fn, fresh=fresh: fn(*fresh))
+            replay, out = capture_graph(lambda fn=fn, fresh=fresh: fn(*fresh))
             replay()
             torch.cuda.synchronize()
             replayed[key] = out[0].clone()

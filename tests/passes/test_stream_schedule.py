@@ -214,7 +214,7 @@ def test_scheduled_equals_unscheduled_bitwise_on_gpu_also_in_a_cuda_graph(induct
     (a, ga, ca), (b, gb, cb) = results["scheduled"], results["unscheduled" if not inductor else "regions, one stream"]
     assert torch.equal(a, b) and torch.equal(ga, gb) and torch.equal(a, ga)
     for x, y in zip(ca, cb, strict=True):
-        for tx, ty in zip(_tensors(x), _tensors(y), strict=True):
+        for tx, ty in zip(x.tensors(), y.tensors(), strict=True):
             assert torch.equal(tx, ty)
     whole = results["unscheduled"][0]
     assert torch.equal(whole, results["unscheduled"][1])
@@ -239,14 +239,3 @@ def _plain_and_graphed(got: dict[str, Any], cache: Any) -> tuple[torch.Tensor, t
         graph.replay()
         torch.cuda.synchronize()
     return plain, graphed, caches
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor held by a cache object, in attribute order."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors(item)]
-    if hasattr(obj, "__dict__"):
-        return [t for value in vars(obj).values() for t in _tensors(value)]
-    return []

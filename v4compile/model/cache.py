@@ -153,12 +153,17 @@ class V4Cache:
             c.kv_state[closing, :4] = kv_prev[closing]
             c.score_state[closing, :4] = score_prev[closing]
 
-    def nbytes(self) -> int:
-        """Bytes held by every cache tensor."""
-        total = 0
+    def tensors(self) -> list[torch.Tensor]:
+        """Every cache tensor, layer by layer (window, then each compressor's entries and state): what two
+        caches must agree on to hold the same sequences."""
+        out = []
         for layer in self.all_layers:
-            total += layer.window.nbytes
+            out.append(layer.window)
             for c in (layer.compressor, layer.indexer):
                 if c is not None:
-                    total += c.entries.nbytes + c.kv_state.nbytes + c.score_state.nbytes
-        return total
+                    out += [c.entries, c.kv_state, c.score_state]
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes held by every cache tensor."""
+        return sum(t.nbytes for t in self.tensors())
