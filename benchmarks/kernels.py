@@ -244,8 +244,9 @@ def head_padding_row(ceil: dict[str, float], quick: bool, batch: int, heads: int
     def unpadded() -> torch.Tensor:
         return ops.sparse_attention(q, kv, sink, index, scale, "triton")
 
-    diff = (padded().float() - unpadded().float()).abs().max().item()
-    torch.testing.assert_close(padded(), unpadded())  # head blocks of another size may round one ulp apart
+    got, want = padded(), unpadded()
+    diff = (got.float() - want.float()).abs().max().item()
+    torch.testing.assert_close(got, want)  # head blocks of another size may round one ulp apart
     compiled = _compiled(reference.sparse_attention)
     compiled(q, kv, sink, index, scale)
     moved = batch * (selected * dim * 2 + 2 * heads * dim * 2 + selected * 8)

@@ -46,10 +46,6 @@ def _blocked_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return _blocked_mm(a, b)
-
-
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> torch.Tensor:
     product = _blocked_mm(a, b)
     if alpha != 1:
@@ -74,7 +70,7 @@ def enable() -> None:
     with warnings.catch_warnings():  # "overriding a previously registered kernel" is the point here
         warnings.simplefilter("ignore", UserWarning)
         for key in ("CPU", "CUDA"):
-            library.impl("mm", _mm, key)
+            library.impl("mm", _blocked_mm, key)
             library.impl("addmm", _addmm, key)
             library.impl("bmm", _bmm, key)
     _library = library

@@ -106,6 +106,10 @@ class Attention(nn.Module):
             return self.wo_b(o.flatten(2))
         return self.tp.all_reduce(self.wo_b.unrounded(o.flatten(2))).to(torch.bfloat16)
 
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Sparse attention of this rank's query heads over the replicated ``keys`` named by ``index``."""
+        return sparse_attention(q, self.tp.region_input(keys), self.attn_sink, index, self.softmax_scale)
+
     def _dense_choice(self, entries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """C128: every complete entry before each query. ``positions`` [..., S] -> ids [..., S, N], -1 if not yet."""
         ids = torch.arange(entries.shape[1], device=entries.device)
@@ -132,8 +136,7 @@ class Attention(nn.Module):
             keys, index = _append(keys, index, entries, chosen)
         if cache is not None:
             self._store_window(kv, cache)
-        o = sparse_attention(q, self.tp.region_input(keys), self.attn_sink, index, self.softmax_scale)
-        return self._output(o, cos, sin)
+        return self._output(self._attend(q, keys, index), cos, sin)
 
     def _store_window(self, kv: torch.Tensor, cache: LayerCache) -> None:
         """Writes the last ``window`` positions of a prefill into their ring slots (slot = pos mod window)."""
@@ -168,8 +171,7 @@ class Attention(nn.Module):
             keys, index = _append(keys, index, entries, chosen)
         keep = min(seqlen, self.window)
         cache.window[:bsz, positions[seqlen - keep :] % self.window] = kv[:, seqlen - keep :]
-        o = sparse_attention(q, self.tp.region_input(keys), self.attn_sink, index, self.softmax_scale)
-        return self._output(o, cos, sin)
+        return self._output(self._attend(q, keys, index), cos, sin)
 
     # ------------------------------------------------------------------ decode
     def forward_decode(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache,
@@ -189,8 +191,7 @@ class Attention(nn.Module):
         if self.ratio:
             keys, index = self._decode_compressed(x, qr, positions, positions.view(bsz, 1), cos, sin, cache, routing,
                                                   layer, keys, index)
-        o = sparse_attention(q, self.tp.region_input(keys), self.attn_sink, index, self.softmax_scale)
-        return self._output(o, cos, sin)
+        return self._output(self._attend(q, keys, index), cos, sin)
 
     def _decode_compressed(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, pos: torch.Tensor,
                            cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache, routing: Routing | None,
@@ -230,5 +231,4 @@ class Attention(nn.Module):
         if self.ratio:
             keys, index = self._decode_compressed(x, qr, positions, pos, cos, sin, cache, routing, layer, keys, index)
         cache.window[rows.unsqueeze(-1), pos % self.window] = kv
-        o = sparse_attention(q, self.tp.region_input(keys), self.attn_sink, index, self.softmax_scale)
-        return self._output(o, cos, sin)
+        return self._output(self._attend(q, keys, index), cos, sin)

@@ -34,6 +34,10 @@ class DecodeGraphs:
         self.decode = decode
         self.graphs: dict[int, _Captured] = {}
 
+    def reset(self) -> None:
+        """Drops every graph (they hold the addresses of the tensors they were captured with)."""
+        self.graphs.clear()
+
     def step(self, ids: torch.Tensor, positions: torch.Tensor, cache: V4Cache) -> torch.Tensor:
         """Logits of one decode step for ``ids`` [bucket, 1] at ``positions`` [bucket] over ``cache`` (the same
         rows at every call for a bucket). The result may be the graph's output buffer: read it before the

@@ -156,8 +156,8 @@ class Engine:
         runs the model object it was given, so new weights serve at once."""
         if self.store is not None:
             self.store = self._new_store()
-        if self.graphs is not None:  # graphs hold the addresses of the weights they were captured with
-            self.graphs = DecodeGraphs(self._plain_decode)
+        if self.graphs is not None:
+            self.graphs.reset()
 
     def stats(self) -> dict[str, object]:
         """Prefix-cache pools and tree statistics (none without a prefix cache) and, with HiSparse, its
