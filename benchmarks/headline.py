@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
-import queue
 import statistics
 import time
 from collections.abc import Callable
@@ -26,6 +24,7 @@ from typing import Any
 
 import torch
 from kernels import graphed  # benchmarks/kernels.py: the CUDA-graph capture the kernel table uses
+from prepared import run_prepared
 from stream_overlap import fill_random_  # random weights drawn on the device
 
 import v4compile
@@ -132,10 +131,10 @@ def prefill_step(model: v4compile.DeepSeekV4, variant: str, tokens: int,
     return variant, lambda: fn(ids, cache=cache), time.perf_counter() - t0
 
 
-def run_variant(args: argparse.Namespace, variant: str, phase: str, ready: Any, go: Any, results: Any) -> None:
-    """One variant and phase in a process of its own: builds the slice, prepares the phase (compiling while
-    the others compile), signals ``ready``, waits for ``go`` (so only one process runs on the GPU at a
-    time, with no compiler competing for the host) and sends its rows to ``results``."""
+def run_variant(args: argparse.Namespace, job: dict[str, str], ready: Any, go: Any, results: Any) -> None:
+    """One variant and phase in a process of its own (``prepared.run_prepared``): builds the slice, prepares
+    the phase, signals ``ready``, waits for ``go`` and sends its rows to ``results``."""
+    variant, phase = job["variant"], job["phase"]
     try:
         model = build(args)
         disable = tuple(d for d in args.disable.split(",") if d)
@@ -170,40 +169,10 @@ def batches(args: argparse.Namespace) -> list[int]:
 
 
 def measure(args: argparse.Namespace, variants: list[str]) -> list[dict[str, Any]]:
-    """Starts one process per variant and phase, waits up to ``--prepare-s`` for them to compile, then lets
-    them time one after another; one not ready by then gets an error row saying so."""
+    """Every variant and phase prepared in a process of its own, all at once, then timed one at a time."""
     phases = [f"decode b{b}" for b in batches(args)] + ([f"prefill {args.prefill}"] if args.prefill else [])
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = []
-    for phase in phases:
-        for variant in variants:
-            ready, go = ctx.Event(), ctx.Event()
-            proc = ctx.Process(target=run_variant, args=(args, variant, phase, ready, go, results), daemon=True)
-            proc.start()
-            procs.append((variant, phase, proc, ready, go))
-    deadline = time.monotonic() + args.prepare_s
-    rows: list[dict[str, Any]] = []
-    for variant, phase, proc, ready, go in procs:
-        if not ready.wait(max(0.0, deadline - time.monotonic())):
-            proc.kill()
-            rows.append({"phase": phase, "variant": variant, "error": f"not compiled within {args.prepare_s:.0f} s"})
-            continue
-        go.set()
-        while True:
-            try:
-                row = results.get(timeout=args.prepare_s)
-            except queue.Empty:
-                rows.append({"phase": phase, "variant": variant, "error": "no result within the time allowed"})
-                proc.kill()
-                break
-            if row.get("done"):
-                break
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            save(args, rows)
-        proc.join()
-    return rows
+    jobs = [{"phase": phase, "variant": variant} for phase in phases for variant in variants]
+    return run_prepared(run_variant, args, jobs, args.prepare_s, on_row=lambda rows: save(args, rows))
 
 
 def main() -> None:

@@ -126,9 +126,13 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 
 
 def fp4_codes_to_float(codes: torch.Tensor) -> torch.Tensor:
-    """Maps e2m1 codes to their float32 values."""
-    table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=codes.device)
-    return table[codes.long()]
+    """Maps e2m1 codes to their float32 values (``FP4_VALUES[code]``), decoded from the bits rather than looked
+    up, so no host-made table is copied to the device per call (which a CUDA graph capture cannot hold)."""
+    c = codes.to(torch.int32)
+    exponent, mantissa = (c >> 1) & 3, (c & 1).to(torch.float32)
+    normal = torch.exp2((exponent - 1).to(torch.float32)) * (1 + 0.5 * mantissa)
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, normal)
+    return torch.where((c & 8) != 0, -magnitude, magnitude)
 
 
 def float_to_fp4_codes(values: torch.Tensor) -> torch.Tensor:

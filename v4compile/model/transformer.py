@@ -99,7 +99,7 @@ class DeepSeekV4(nn.Module):
             raise InputError(f"{name} must have an integer dtype, got {input_ids.dtype}")
         if input_ids.shape[1] == 0:
             raise InputError(f"{name} is empty (sequence length 0)")
-        if torch.compiler.is_compiling() or input_ids.numel() == 0:
+        if not _values_readable(input_ids) or input_ids.numel() == 0:
             return
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= self.config.vocab_size:
@@ -113,7 +113,7 @@ class DeepSeekV4(nn.Module):
                              f"(max_seq_len)")
 
     def _check_routing(self, routing: Routing | None, input_ids: torch.Tensor) -> None:
-        if routing is not None and routing.replay and not torch.compiler.is_compiling():
+        if routing is not None and routing.replay and _values_readable(input_ids):
             routing.validate(self.config, *input_ids.shape)
 
     def _check_cache(self, cache: V4Cache, batch: int) -> None:
@@ -202,7 +202,7 @@ class DeepSeekV4(nn.Module):
             raise InputError(f"decode_step takes one token per row, got input_ids of shape {tuple(input_ids.shape)}")
         if positions.shape != (input_ids.shape[0],):
             raise InputError(f"positions must have shape [{input_ids.shape[0]}], got {tuple(positions.shape)}")
-        if not torch.compiler.is_compiling():
+        if _values_readable(positions):
             last = int(positions.max()) + input_ids.shape[1] - 1
             if last >= cache.max_seq_len:
                 raise InputError(f"position {last} is beyond the cache's maximum length {cache.max_seq_len} "
@@ -246,3 +246,11 @@ def _describe(x: object) -> str:
     if isinstance(x, torch.Tensor):
         return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
     return type(x).__name__
+
+
+def _values_readable(x: torch.Tensor) -> bool:
+    """Whether the input checks may read ``x``'s values: not while tracing (no values yet) nor while a CUDA
+    graph captures (a host read would break the capture; the runtime checks requests before they get there)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())

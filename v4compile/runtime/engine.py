@@ -62,15 +62,15 @@ class Engine:
     the chosen entries into the hot buffer (see ``hisparse.py``). A hot buffer smaller than one step's
     working set is a ValueError here (or in ``generate`` for MTP, whose steps take two tokens per row).
 
-    ``cuda_graphs`` (CUDA only) captures each decode bucket's step in a CUDA graph on its first use and
-    replays it after (``decode_graphs.py``); steps that record routing or verify drafts run without one.
-    Opt-in until it has run on a GPU."""
+    ``cuda_graphs`` captures each decode bucket's step in a CUDA graph on its first use and replays it after
+    (``decode_graphs.py``); steps that record routing or verify drafts run without one. None (the default)
+    means on for a model on a CUDA device; True off CUDA is a ValueError."""
 
     def __init__(self, model: torch.nn.Module, *, memory_budget: int | None = None, max_batch_tokens: int = 128,
                  max_batch: int = 4, max_prefills: int = 1, chunk: int | None = None, prefix_cache: bool = True,
                  decode_buckets: tuple[int, ...] | None = None, max_seq_len: int | None = None,
                  tail_every: int = 0, deterministic: bool = False, hisparse_budget: int | None = None,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool | None = None) -> None:
         self.model = model
         config = model.config
         self.config = config
@@ -108,7 +108,8 @@ class Engine:
         self.recording = False
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device; it is on {self.device}")
-        self.graphs = DecodeGraphs(self._plain_decode) if cuda_graphs else None
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.graphs = DecodeGraphs(self._plain_decode) if use_graphs else None
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int] = 16, temperature: float = 0.0,

@@ -30,6 +30,7 @@ DIM = tl.constexpr({dim})
 WIDTH = tl.constexpr({n} * {dim})
 MIXP = tl.constexpr({mixp})
 ROUND_OUT = tl.constexpr({round_out})
+SLICE = tl.{slice}
 ''' + ROUND_BF16
 
 _PRE = _HEADER + '''
@@ -48,11 +49,25 @@ def mhc_mixes(X, FN, PART, SQ, rows, per_split, BLOCK_M: tl.constexpr, BLOCK_K: 
     for k0 in range(k_begin, k_begin + per_split, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < WIDTH
-        x = tl.load(x_rows + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_rows + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(FN + c[:, None] * WIDTH + k[None, :], mask=(c < (2 + N) * N)[:, None] & kmask[None, :],
                     other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        sq += tl.sum(x * x, axis=1)
+        if X.dtype.element_ty == tl.bfloat16:
+            # fn = hi + mid + lo exactly (three 8-bit slices of its 24-bit significand) and bf16 x times a bf16
+            # slice is exact in fp32: three tensor-core products give the fp32 projection (SLICE is bf16 on the
+            # GPU; fp32 under the CPU interpreter, which cannot multiply bf16 tensors, with the same products)
+            w_hi = w.to(tl.bfloat16)
+            rest = w - w_hi.to(tl.float32)
+            w_mid = rest.to(tl.bfloat16)
+            w_lo = (rest - w_mid.to(tl.float32)).to(tl.bfloat16)
+            xs = x.to(SLICE)
+            acc = tl.dot(xs, tl.trans(w_hi.to(SLICE)), acc, input_precision="ieee")
+            acc = tl.dot(xs, tl.trans(w_mid.to(SLICE)), acc, input_precision="ieee")
+            acc = tl.dot(xs, tl.trans(w_lo.to(SLICE)), acc, input_precision="ieee")
+        else:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        xf = x.to(tl.float32)
+        sq += tl.sum(xf * xf, axis=1)
     # partials [rows, MIXP, splits]: a finishing program reads each mix's splits contiguously
     splits = tl.num_programs(1)
     tl.store(PART + (r[:, None] * MIXP + c[None, :]) * splits + split, acc, mask=rmask[:, None])
@@ -169,7 +184,8 @@ def _module(step: str, n: int, dim: int, out_dtype: torch.dtype, acc: torch.dtyp
     np_ = triton_next_pow2(n)
     fields = {"n": n, "np": np_, "dim": dim, "mixp": _mixp(n),
               "round_out": out_dtype == torch.bfloat16, "acc": "tl.float64" if acc == torch.float64 else "tl.float32",
-              "post_comb": post_comb_source(n) if step == "mhc_pre" else ""}
+              "post_comb": post_comb_source(n) if step == "mhc_pre" else "",
+              "slice": "float32" if interpret else "bfloat16"}
     template = _PRE if step == "mhc_pre" else _POST
     module = REGISTRY.build(name, "triton", f"v4compile::{step}", lambda: template.format(**fields),
                             lambda path: load_triton_module(path, interpret),
