@@ -63,6 +63,24 @@ def is_view(node: fx.Node) -> bool:
     return aliased is not None and not writes
 
 
+def written_input(node: fx.Node) -> fx.Node | None:
+    """The input an in-place or ``out=`` op writes and returns as its result (``index_put_(x, ...)`` returns
+    ``x`` itself), else None. Code reading such a result elsewhere can read the written tensor instead: the
+    same tensor, without handing a compiled region two inputs that alias each other."""
+    schema = _schema(node)
+    if schema is None or len(schema.returns) != 1:
+        return None
+    returned = schema.returns[0].alias_info
+    if returned is None or not returned.is_write:
+        return None
+    for i, argument in enumerate(schema.arguments):
+        info = argument.alias_info
+        if info is not None and info.is_write and info.before_set == returned.before_set:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            return value if isinstance(value, fx.Node) else None
+    return None
+
+
 def bases(node: fx.Node) -> list[fx.Node]:
     """The scheduled nodes whose values ``node`` reads, looking through views to the nodes that made their
     bases (graph inputs and attributes are not scheduled and are left out)."""

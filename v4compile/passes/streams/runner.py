@@ -18,6 +18,7 @@ from .dag import (
     dependency_graph,
     is_view,
     node_values,
+    written_input,
 )
 from .plan import (
     Segment,
@@ -68,7 +69,11 @@ def executable_segments(gm: fx.GraphModule) -> tuple[nx.DiGraph, list[Segment]] 
 def _region_graph(seg: Segment) -> tuple[fx.Graph, dict[fx.Node, fx.Node], list[fx.Node], list[fx.Node]]:
     """A segment's nodes copied into a graph of their own: ``(graph, copies, inputs, made)``. Views are remade
     from their bases, except items of a tuple made elsewhere: those, like other values, are inputs (a region
-    returns tensors, never tuples, so it makes the items of every tuple it makes)."""
+    returns tensors, never tuples, so it makes the items of every tuple it makes). The result of an in-place
+    (or ``out=``) op made elsewhere is read as the tensor the op wrote, which it is: as an input of its own it
+    would alias that tensor's base, and Inductor compiles aliased inputs against a synthetic base that its
+    runtime wrapper does not rebuild the same way (a region reading a KV cache and an ``index_put_`` into it
+    failed its input guard). So a region's inputs alias each other only where the graph's inputs do."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs: list[fx.Node] = []
@@ -81,6 +86,8 @@ def _region_graph(seg: Segment) -> tuple[fx.Graph, dict[fx.Node, fx.Node], list[
             elif is_view(n) and n.target is not operator.getitem:
                 env[n] = graph.node_copy(n, value)
                 made.append(n)
+            elif (written := written_input(n)) is not None:
+                env[n] = value(written)
             else:
                 env[n] = graph.placeholder(n.name)
                 env[n].meta = dict(n.meta)
@@ -101,9 +108,10 @@ def _region_graph(seg: Segment) -> tuple[fx.Graph, dict[fx.Node, fx.Node], list[
 
 
 def build_regions(gm: fx.GraphModule, segs: Sequence[Segment]) -> list[Region]:
-    """Each segment as a graph module of its own: views it reads are remade inside from their bases, values
-    from other segments and graph inputs become its inputs, values that later segments or the graph's output
-    read become its outputs; each region also lists the values no later region reads (freed after it)."""
+    """Each segment as a graph module of its own: views it reads are remade inside from their bases, results of
+    in-place ops made elsewhere are read as the tensors they wrote, other values from other segments and graph
+    inputs become its inputs, values that later segments or the graph's output read become its outputs; each
+    region also lists the values no later region reads (freed after it)."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     final_values = set(output.all_input_nodes)
     built = [_region_graph(seg) for seg in segs]
