@@ -325,11 +325,24 @@ def mhc_row(ceil: dict[str, float], quick: bool, batch: int, dim: int = 4096, n:
     moved = fn.nbytes + 3 * x.nbytes + 2 * sub.nbytes + batch * (n + n * n) * 4 * 2
     pre_us = bench(graphed(pre), quick)
     post_us = bench(graphed(lambda: ops.mhc_post(sub, x, mixed[1], mixed[2], "triton")), quick)
+    tilelang = ""
+    if importlib.util.find_spec("tilelang") is not None:
+
+        def tilelang_steps() -> tuple[torch.Tensor, torch.Tensor]:
+            y, post, comb = ops.mhc_pre(x, fn, scale, base, iters, 1e-6, 1e-6, "tilelang")
+            return y, ops.mhc_post(sub, x, post, comb, "tilelang")
+
+        for got, want, what in zip(tilelang_steps(), model_code(x, sub), ("TileLang mHC pre y", "TileLang mHC post"),
+                                   strict=True):
+            _check(got, want, what, tol=1e-2)
+        _ran(f"mhc_pre.n{n}.d{dim}.tilelang")
+        tilelang = f"; TileLang kernels {bench(graphed(tilelang_steps), quick):.1f} us"
     return Row("mHC pre+post (decode, CUDA graph)", f"batch {batch}, n {n} x D {dim}, {iters} iters",
                bench(graphed(ours), quick), bench(graphed(lambda: model_code(x, sub)), quick),
                bench(graphed(lambda: compiled(x, sub)), quick), 1e6 * moved / ceil["copy_bytes_per_s"], moved,
                note=f"pre {pre_us:.1f} us ({_config('mhc_pre.')}), post {post_us:.1f} us ({_config('mhc_post.')}); "
-                    f"in a 20-call graph {in_graph_us(ours, quick):.1f} us/call; host call {bench(ours, quick):.1f} us")
+                    f"in a 20-call graph {in_graph_us(ours, quick):.1f} us/call; host call {bench(ours, quick):.1f} us"
+                    f"{tilelang}")
 
 
 SECTIONS: dict[str, Callable[[dict[str, float], bool], list[Row]]] = {

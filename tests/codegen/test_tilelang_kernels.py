@@ -79,3 +79,29 @@ def test_fp64_inputs_accumulate_in_fp64() -> None:
     state_score[1, :4] = float("-inf")
     got = ops.compressor_pool_state(state, state_score, *C4, "tilelang")
     torch.testing.assert_close(got, reference.compressor_pool_state(state, state_score, *C4), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("lead", "n", "dim", "dtype"), [
+    ((3,), 4, 128, torch.bfloat16), ((2, 5), 4, 64, torch.float32), ((70,), 4, 32, torch.bfloat16),
+    ((5,), 3, 48, torch.bfloat16),
+])
+def test_mhc_pre_and_post_match_reference(lead: tuple[int, ...], n: int, dim: int, dtype: torch.dtype) -> None:
+    """The split-K projection (rows in blocks of 4, splits of 128 columns: one short split at dim 48), the
+    finishing blocks (y, post, Sinkhorn) and the post step, through the ops with backend="tilelang"."""
+    gen = torch.Generator().manual_seed(n + dim)
+    x = (torch.randn(*lead, n, dim, generator=gen) * 2).to(dtype)
+    fn = torch.randn((2 + n) * n, n * dim, generator=gen) / (n * dim) ** 0.5 * 4
+    scale, base = torch.rand(3, generator=gen) + 0.5, torch.randn((2 + n) * n, generator=gen)
+    y, post, comb = ops.mhc_pre(x, fn, scale, base, 20, 1e-6, 1e-6, "tilelang")
+    want_y, want_post, want_comb = reference.mhc_pre(x, fn, scale, base, 20, 1e-6, 1e-6)
+    torch.testing.assert_close(y.float(), want_y.float(), rtol=2.0**-7, atol=1e-5)
+    assert y.dtype == dtype and (dtype != torch.bfloat16 or (y != want_y).float().mean() < 0.01)
+    torch.testing.assert_close(post, want_post, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(comb, want_comb, rtol=1e-5, atol=1e-6)
+    sub = torch.randn(*lead, dim, generator=gen).to(dtype)
+    got = ops.mhc_post(sub, x, want_post, want_comb, "tilelang")
+    torch.testing.assert_close(got.float(), reference.mhc_post(sub, x, want_post, want_comb).float(), rtol=2.0**-7,
+                               atol=1e-5)
+    for step in ("mhc_pre", "mhc_post"):
+        record = REGISTRY.records[f"{step}.n{n}.d{dim}.tilelang"]
+        assert record.error is None and record.launch["target"] == "c" and record.lowered

@@ -51,3 +51,25 @@ def test_tilelang_matches_triton_on_cuda() -> None:
     ape = torch.randn(4, 1024, device="cuda")
     torch.testing.assert_close(ops.compressor_pool(kv, score, ape, 4, 512, 1024, "tilelang"),
                                ops.compressor_pool(kv, score, ape, 4, 512, 1024, "triton"), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lead", [(1,), (16,), (64,), (3, 100)])
+def test_mhc_pre_and_post_cuda(dtype: torch.dtype, lead: tuple[int, ...]) -> None:
+    """V4-Flash dims (n = 4, D = 4096); tolerances of tests/gpu/test_mhc_gpu.py."""
+    n, dim = 4, 4096
+    x = (torch.randn(*lead, n, dim, device="cuda") * 2).to(dtype)
+    fn = torch.randn((2 + n) * n, n * dim, device="cuda") / (n * dim) ** 0.5 * 4
+    scale, base = torch.rand(3, device="cuda") + 0.5, torch.randn((2 + n) * n, device="cuda")
+    y, post, comb = ops.mhc_pre(x, fn, scale, base, 20, 1e-6, 1e-6, "tilelang")
+    want_y, want_post, want_comb = reference.mhc_pre(x, fn, scale, base, 20, 1e-6, 1e-6)
+    torch.testing.assert_close(y.float(), want_y.float(), rtol=2.0**-7, atol=1e-5)
+    torch.testing.assert_close(post, want_post, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(comb, want_comb, rtol=1e-4, atol=1e-5)
+    sub = torch.randn(*lead, dim, device="cuda").to(dtype)
+    got = ops.mhc_post(sub, x, want_post, want_comb, "tilelang")
+    torch.testing.assert_close(got.float(), reference.mhc_post(sub, x, want_post, want_comb).float(), rtol=2.0**-7,
+                               atol=1e-5)
+    for step in ("mhc_pre", "mhc_post"):
+        record = REGISTRY.records[f"{step}.n{n}.d{dim}.tilelang"]
+        assert record.error is None and record.launch["target"] == "cuda" and "__global__" in record.lowered

@@ -158,3 +158,20 @@ def test_a_post_step_mixing_with_comb_instead_of_its_transpose_is_a_near_miss() 
     stats, _ = _rewrite(untransposed, y, x, post, comb)
     assert [m.reason for m in stats.near_misses] == [
         "mixes the streams with comb (sum over k, dim -2), not comb^T (sum over j, dim -3)"]
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("tilelang"), reason="TileLang is not installed")
+def test_tilelang_backend_runs_tilelang_kernels_inside_the_model(tiny_model: v4compile.DeepSeekV4) -> None:
+    """backend="tilelang": the pass names the TileLang mHC kernels (the ``c`` target here), every checked region
+    stays within the pass's tolerance and the logits stay on the eager model's (the bar of the Triton run above:
+    a one-step bf16 difference may flip a routing choice of the random tiny model in a few rows)."""
+    optimized = v4compile.optimize(tiny_model, backend="tilelang", passes=["mhc_tiling"], inductor=False, check=True)
+    ids = sample_ids(tiny_model)
+    with torch.no_grad():
+        got, want = optimized(ids), tiny_model(ids)
+    stats = _stats(optimized.reports()[0])
+    assert {m.kernel for m in stats.matches} == {"mhc_pre.n4.d128.tilelang", "mhc_post.n4.d128.tilelang"}
+    assert all(m.checked_calls >= 1 and m.worst_rel_error <= MhcTiling.tolerance for m in stats.matches)
+    a, b = got.flatten(0, -2).float(), want.flatten(0, -2).float()
+    assert F.cosine_similarity(a, b, dim=-1).median() > 0.9999
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9

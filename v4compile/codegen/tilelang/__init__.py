@@ -6,6 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .compressor import compressor_pool, compressor_pool_state
+from .mhc import mhc_post, mhc_pre
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"compressor_pool": compressor_pool,
-                                                  "compressor_pool_state": compressor_pool_state}
+                                                  "compressor_pool_state": compressor_pool_state,
+                                                  "mhc_pre": mhc_pre, "mhc_post": mhc_post}

@@ -4,12 +4,12 @@ score once. Prefill form ``compressor_pool`` and decode-state form ``compressor_
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..registry import REGISTRY, load_module
+from ..registry import REGISTRY
+from .common import DTYPES, compute_dtypes, load_kernels
 
 THREADS = 128
 """Threads of a prefill block on cuda, over which its [BLOCK_J, BLOCK_D] accumulator tile is spread; a decode block
@@ -146,9 +146,6 @@ def build(target):
     return compile_kernel({fn}, target)
 '''
 
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64"}
-
-
 def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -170,34 +167,21 @@ def kernel_name(ratio: int, width: int, state: bool, dtype: torch.dtype = torch.
     return f"compressor_pool{'_state' if state else ''}.c{ratio}.w{width}{suffix}.tilelang"
 
 
-def _load(path: Path, target: str, name: str) -> Any:
-    """Compiles the generated source at ``path`` for ``target`` and records TileLang's generated C/CUDA."""
-    kernel = load_module(path).build(target)
-    REGISTRY.set_lowered(name, kernel.get_kernel_source())
-    return kernel
-
-
 def _kernel(ratio: int, width: int, overlap: bool, state: bool, device: torch.device,
             dtype: torch.dtype) -> tuple[str, Any, torch.dtype, torch.dtype, dict[str, int], str]:
     """Builds (once) the kernel; returns its name, the kernel, its input and output dtypes, its launch config and
     its target."""
-    if dtype not in _DTYPES:
-        raise ValueError(f"TileLang compressor pooling takes fp32/bf16/fp16/fp64 inputs, not {dtype}")
-    cuda = device.type == "cuda"
-    target = "cuda" if cuda else "c"
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    # the C codegen has no 16-bit floats: the host widens them to fp32 first
-    in_dtype = dtype if cuda or dtype in (torch.float32, torch.float64) else torch.float32
+    target, in_dtype, acc = compute_dtypes(dtype, device)
     name = kernel_name(ratio, width, state, acc)
     fn = name.split(".")[0]
     config = pool_launch_config(ratio, width, state)
 
     def source() -> str:
         template = _POOL_STATE if state else _POOL
-        return template.format(ratio=ratio, width=width, overlap=overlap, fn=fn, in_dtype=_DTYPES[in_dtype],
-                               acc_dtype=_DTYPES[acc], **config)
+        return template.format(ratio=ratio, width=width, overlap=overlap, fn=fn, in_dtype=DTYPES[in_dtype],
+                               acc_dtype=DTYPES[acc], **config)
 
-    kernel = REGISTRY.build(name, "tilelang", f"v4compile::{fn}", source, lambda path: _load(path, target, name),
+    kernel = REGISTRY.build(name, "tilelang", f"v4compile::{fn}", source, lambda path: load_kernels(path, target, name),
                             key=(overlap, target, in_dtype))
     return name, kernel, in_dtype, acc, config, target
 

@@ -1,0 +1,32 @@
+"""What the TileLang kernels share: dtype names, the dtypes a target computes in, and loading generated sources."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..registry import REGISTRY, load_module
+
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64"}
+
+
+def compute_dtypes(dtype: torch.dtype, device: torch.device) -> tuple[str, torch.dtype, torch.dtype]:
+    """(target, input dtype, accumulation dtype) for inputs of ``dtype``: the ``c`` target has no 16-bit floats,
+    so there the host widens them to fp32; fp64 inputs accumulate in fp64, others in fp32."""
+    if dtype not in DTYPES:
+        raise ValueError(f"TileLang kernels take fp32/bf16/fp16/fp64 inputs, not {dtype}")
+    cuda = device.type == "cuda"
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    in_dtype = dtype if cuda or dtype in (torch.float32, torch.float64) else torch.float32
+    return ("cuda" if cuda else "c"), in_dtype, acc
+
+
+def load_kernels(path: Path, target: str, name: str) -> Any:
+    """Compiles the generated source at ``path`` for ``target`` (its ``build`` returns one kernel or a tuple)
+    and records TileLang's generated C/CUDA under ``name``."""
+    built = load_module(path).build(target)
+    kernels = built if isinstance(built, tuple) else (built,)
+    REGISTRY.set_lowered(name, "\n".join(k.get_kernel_source() for k in kernels))
+    return built
