@@ -14,14 +14,12 @@ one at a time.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
 from headline import fill_cache, slice_config, timed
 from kernels import graphed  # benchmarks/kernels.py: the CUDA-graph capture the kernel table uses
-from prepared import run_prepared
+from prepared import run_prepared, save_rows
 from stream_overlap import fill_random_  # random weights drawn on the device
 
 import v4compile
@@ -81,8 +79,8 @@ def main() -> None:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     jobs = [{"variant": v, "batch": int(b), "context": c}
             for v in variants for b in args.batches.split(",") if b for c in contexts(args)]
-    rows = run_prepared(run_job, args, jobs, args.prepare_s, on_row=lambda r: save(args, r))
-    save(args, rows)
+    rows = run_prepared(run_job, args, jobs, args.prepare_s, on_row=lambda r: save_rows(args, r))
+    save_rows(args, rows)
     print(f"\n{'variant':<12} {'batch':>5} {'context':>8} {'step ms':>9} {'vs shortest':>11} {'cache MiB':>10}")
     for r in rows:
         if "error" in r:
@@ -91,13 +89,6 @@ def main() -> None:
         base = next(b["ms"] for b in rows if "ms" in b and b["variant"] == r["variant"] and b["batch"] == r["batch"])
         print(f"{r['variant']:<12} {r['batch']:>5} {r['context']:>8} {r['ms']:>9.3f} {r['ms'] / base - 1:>+10.1%} "
               f"{r['cache_mib']:>10.1f}")
-
-
-def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
-    """Writes the rows so far to ``args.out``."""
-    if args.out:
-        device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-        Path(args.out).write_text(json.dumps({"device": device, "args": vars(args), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

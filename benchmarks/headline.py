@@ -15,16 +15,14 @@ the host.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from kernels import graphed  # benchmarks/kernels.py: the CUDA-graph capture the kernel table uses
-from prepared import run_prepared
+from prepared import run_prepared, save_rows
 from stream_overlap import fill_random_  # random weights drawn on the device
 
 import v4compile
@@ -172,7 +170,7 @@ def measure(args: argparse.Namespace, variants: list[str]) -> list[dict[str, Any
     """Every variant and phase prepared in a process of its own, all at once, then timed one at a time."""
     phases = [f"decode b{b}" for b in batches(args)] + ([f"prefill {args.prefill}"] if args.prefill else [])
     jobs = [{"phase": phase, "variant": variant} for phase in phases for variant in variants]
-    return run_prepared(run_variant, args, jobs, args.prepare_s, on_row=lambda rows: save(args, rows))
+    return run_prepared(run_variant, args, jobs, args.prepare_s, on_row=lambda rows: save_rows(args, rows))
 
 
 def main() -> None:
@@ -207,14 +205,7 @@ def main() -> None:
     for r in rows:
         if "error" in r:
             print(f"{r['phase']}, {r['variant']}: {r['error']}")
-    save(args, rows)
-
-
-def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
-    """Writes the rows so far to ``args.out`` (kept when a later variant runs out of time)."""
-    if args.out:
-        device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-        Path(args.out).write_text(json.dumps({"device": device, "args": vars(args), "rows": rows}, indent=1))
+    save_rows(args, rows)
 
 
 if __name__ == "__main__":

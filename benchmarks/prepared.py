@@ -8,7 +8,10 @@ import multiprocessing
 import queue
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import torch
 
 Job = dict[str, Any]
 """A job's labels (e.g. variant and phase); they head its rows and its error row."""
@@ -51,3 +54,11 @@ def run_prepared(target: Callable[..., None], args: Any, jobs: list[Job], prepar
                 on_row(rows)
         proc.join()
     return rows
+
+
+def save_rows(args: Any, rows: list[dict[str, Any]]) -> None:
+    """Writes the rows so far, with the device and the arguments, to ``args.out`` when given (called after every
+    row, so the rows of jobs that finished are kept when a later one runs out of time)."""
+    if args.out:
+        device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        Path(args.out).write_text(json.dumps({"device": device, "args": vars(args), "rows": rows}, indent=1))

@@ -55,23 +55,14 @@ NORM_EPS = {norm_eps!r}
 
 
 @T.macro
-def normalize_rows(cm, tmp):
-    for i in T.serial(N):
+def normalize(cm, tmp, major, minor):
+    # one Sinkhorn step: each row (major N, minor 1) or column (major 1, minor N) divided by (its sum + eps)
+    for a in T.serial(N):
         tmp[0] = 0.0
-        for j in T.serial(N):
-            tmp[0] += cm[i * N + j]
-        for j in T.serial(N):
-            cm[i * N + j] = cm[i * N + j] / (tmp[0] + HC_EPS)
-
-
-@T.macro
-def normalize_columns(cm, tmp):
-    for j in T.serial(N):
-        tmp[0] = 0.0
-        for i in T.serial(N):
-            tmp[0] += cm[i * N + j]
-        for i in T.serial(N):
-            cm[i * N + j] = cm[i * N + j] / (tmp[0] + HC_EPS)
+        for b in T.serial(N):
+            tmp[0] += cm[a * major + b * minor]
+        for b in T.serial(N):
+            cm[a * major + b * minor] = cm[a * major + b * minor] / (tmp[0] + HC_EPS)
 
 
 def build(target):
@@ -139,10 +130,10 @@ def build(target):
                         tmp[0] += cm[i * N + j]
                     for j in T.serial(N):
                         cm[i * N + j] = cm[i * N + j] / tmp[0] + HC_EPS
-                normalize_columns(cm, tmp)
+                normalize(cm, tmp, 1, N)
                 for _ in T.serial(ITERS - 1):
-                    normalize_rows(cm, tmp)
-                    normalize_columns(cm, tmp)
+                    normalize(cm, tmp, N, 1)
+                    normalize(cm, tmp, 1, N)
                 for i in T.serial(NN):
                     comb[r, i] = cm[i]
 
