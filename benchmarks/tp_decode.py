@@ -11,7 +11,8 @@ Every rank builds the single-process model with random weights (seed 0) and take
 It prefills ``--context`` random tokens into both models' caches (eager, in chunks), checks the tp=N logits
 against tp=1 on the prefill and on ``--check-steps`` decode steps of the optimized tp=N model (golden tolerance:
 cosine median >= 0.99, mean >= 0.97, argmax agreement >= 0.80; the max abs diff is reported), then times
-``--steps`` decode steps of ``v4compile.optimize(model, tp=N)`` and of the optimized tp=1 model. Each (model,
+``--steps`` decode steps of ``v4compile.optimize(model, tp=N)`` and of the optimized tp=1 model, launched from
+the host and (on CUDA) replayed from a CUDA graph with the collectives captured in it. Each (model,
 batch) compiles two decode graphs (tp=1 and tp=N). Without compilation (the default on CPU, where a compile
 takes minutes) the eager models are timed instead.
 
@@ -31,6 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from kernels import graphed  # benchmarks/kernels.py: the CUDA-graph capture the kernel table uses
 
 import v4compile
 
@@ -133,9 +135,32 @@ def bench(name: str, batch: int, args: argparse.Namespace, rank: int, world: int
         first += args.warmup
         single_ms = step_ms(decode(fast_single, caches[0]), first, args.steps, device)
         shard_ms = step_ms(decode(fast_shard, caches[1]), first, args.steps, device)
+        graphs = graph_step_ms({"tp1": decode(fast_single, caches[0]), "tpN": decode(fast_shard, caches[1])},
+                               first + args.steps, args.steps) if device.type == "cuda" else {}
     return {"model": name, "batch": batch, "context": args.context, "tp": world, "compiled": compiled,
-            "tp1_step_ms": single_ms, "tpN_step_ms": shard_ms, "prefill_check": prefilled, "decode_check": checked,
-            "ok": within_tolerance(prefilled) and within_tolerance(checked)}
+            "tp1_step_ms": single_ms, "tpN_step_ms": shard_ms, **graphs, "prefill_check": prefilled,
+            "decode_check": checked, "ok": within_tolerance(prefilled) and within_tolerance(checked)}
+
+
+def graph_step_ms(steps: dict[str, Callable[[int], object]], position: int, count: int) -> dict[str, object]:
+    """Median ms of each step at ``position`` replayed from a CUDA graph (collectives captured with it), as the
+    engine runs decode; a capture that fails is reported as the row's error instead of ending the run."""
+    out: dict[str, object] = {}
+    for name, step in steps.items():
+        try:
+            replay = graphed(lambda step=step: step(position))
+            times = []
+            for _ in range(count):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            out[f"{name}_graph_ms"] = sorted(times)[len(times) // 2]
+        except Exception as exc:  # the host-launched figures stand; say why the graph has none
+            out[f"{name}_graph_error"] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def main() -> None:
@@ -172,14 +197,15 @@ def main() -> None:
         what = "optimized" if rows and rows[0]["compiled"] else "eager"
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (gloo)"
         print(f"\n{what} decode step, {world} x {where}")
-        print(f"| model | batch | context | tp=1 ms/step | tp={world} ms/step | tp={world} vs tp=1 decode logits "
-              "(median cos, mean cos, argmax agree, max abs diff) | ok |")
-        print("|---|---|---|---|---|---|---|")
+        print(f"| model | batch | context | tp=1 ms/step | tp={world} ms/step | tp=1 graph ms | tp={world} graph ms "
+              f"| tp={world} vs tp=1 decode logits (median cos, mean cos, argmax agree, max abs diff) | ok |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             c = r["decode_check"]
+            graph = [f"{r[k]:.2f}" if k in r else "-" for k in ("tp1_graph_ms", "tpN_graph_ms")]
             print(f"| {r['model']} | {r['batch']} | {r['context']} | {r['tp1_step_ms']:.2f} | {r['tpN_step_ms']:.2f} "
-                  f"| {c['median_cos']:.4f}, {c['mean_cos']:.4f}, {c['argmax_agreement']:.2f}, "
-                  f"{c['max_abs_diff']:.3g} | {'yes' if r['ok'] else 'NO'} |")
+                  f"| {graph[0]} | {graph[1]} | {c['median_cos']:.4f}, {c['mean_cos']:.4f}, "
+                  f"{c['argmax_agreement']:.2f}, {c['max_abs_diff']:.3g} | {'yes' if r['ok'] else 'NO'} |")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"device": str(device), "torch": torch.__version__, "rows": rows}, f, indent=1)
