@@ -17,10 +17,9 @@ import argparse
 from typing import Any
 
 import torch
-from headline import fill_cache, slice_config, timed
+from headline import build_slice, fill_cache, timed
 from kernels import graphed  # benchmarks/kernels.py: the CUDA-graph capture the kernel table uses
 from prepared import run_prepared, save_rows
-from stream_overlap import fill_random_  # random weights drawn on the device
 
 import v4compile
 
@@ -32,12 +31,10 @@ def run_job(args: argparse.Namespace, job: dict[str, Any], ready: Any, go: Any, 
     passes, compile, CUDA graph), then times it when told to."""
     try:
         context, batch, variant = job["context"], job["batch"], job["variant"]
-        config = slice_config(args.layers, max(contexts(args)), args.small, args.experts)
-        model = v4compile.DeepSeekV4(config, seed=None, device=args.device).eval()
-        fill_random_(model, torch.Generator(args.device).manual_seed(0))
+        model = build_slice(args.layers, max(contexts(args)), args.small, args.experts, args.device)
         cache = model.new_cache(batch, context + 64)
         fill_cache(cache, batch)
-        ids = torch.randint(0, config.vocab_size, (batch, 1), device=args.device)
+        ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=args.device)
         positions = torch.full((batch,), context, device=args.device)
         with torch.no_grad():
             step = model.decode_step if variant == "model code" else v4compile.optimize(model).decode_step
@@ -47,7 +44,7 @@ def run_job(args: argparse.Namespace, job: dict[str, Any], ready: Any, go: Any, 
             ready.set()
             go.wait()
             ms = timed(fn, args.reps, args.device == "cuda")
-        results.put({**job, "ms": ms, "cache_mib": sum(t.nbytes for t in cache.tensors()) / 2**20})
+        results.put({**job, "ms": ms, "cache_mib": cache.nbytes() / 2**20})
     except Exception as exc:  # reported as the job's row; the other jobs still run
         results.put({**job, "error": f"{type(exc).__name__}: {exc}"})
         ready.set()

@@ -134,7 +134,7 @@ def run_variant(args: argparse.Namespace, job: dict[str, str], ready: Any, go: A
     the phase, signals ``ready``, waits for ``go`` and sends its rows to ``results``."""
     variant, phase = job["variant"], job["phase"]
     try:
-        model = build(args)
+        model = build_slice(args.layers, max(args.context, args.prefill), args.small, args.experts, args.device)
         disable = tuple(d for d in args.disable.split(",") if d)
         with torch.no_grad():
             if phase.startswith("decode"):
@@ -154,11 +154,10 @@ def run_variant(args: argparse.Namespace, job: dict[str, str], ready: Any, go: A
     results.put({"done": True})
 
 
-def build(args: argparse.Namespace) -> v4compile.DeepSeekV4:
-    """The slice with random weights drawn on the device."""
-    config = slice_config(args.layers, max(args.context, args.prefill), args.small, args.experts)
-    model = v4compile.DeepSeekV4(config, seed=None, device=args.device).eval()
-    fill_random_(model, torch.Generator(args.device).manual_seed(0))
+def build_slice(layers: int, context: int, small: bool, experts: int | None, device: str) -> v4compile.DeepSeekV4:
+    """The slice of ``slice_config`` with random weights drawn on the device (seed 0)."""
+    model = v4compile.DeepSeekV4(slice_config(layers, context, small, experts), seed=None, device=device).eval()
+    fill_random_(model, torch.Generator(device).manual_seed(0))
     return model
 
 

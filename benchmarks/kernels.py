@@ -336,6 +336,7 @@ def mhc_row(ceil: dict[str, float], quick: bool, batch: int, dim: int = 4096, n:
                                    strict=True):
             _check(got, want, what, tol=1e-2)
         _ran(f"mhc_pre.n{n}.d{dim}.tilelang")
+        _ran(f"mhc_post.n{n}.d{dim}.tilelang")
         tilelang = f"; TileLang kernels {bench(graphed(tilelang_steps), quick):.1f} us"
     return Row("mHC pre+post (decode, CUDA graph)", f"batch {batch}, n {n} x D {dim}, {iters} iters",
                bench(graphed(ours), quick), bench(graphed(lambda: model_code(x, sub)), quick),

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from headline import timed  # benchmarks/headline.py: median CUDA-event time of a callable
 from kernels import graphed  # benchmarks/kernels.py: the CUDA-graph capture the kernel table uses
 
 import v4compile
@@ -148,16 +149,7 @@ def graph_step_ms(steps: dict[str, Callable[[int], object]], position: int, coun
     out: dict[str, object] = {}
     for name, step in steps.items():
         try:
-            replay = graphed(lambda step=step: step(position))
-            times = []
-            for _ in range(count):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            out[f"{name}_graph_ms"] = sorted(times)[len(times) // 2]
+            out[f"{name}_graph_ms"] = timed(graphed(lambda step=step: step(position)), count, cuda=True)
         except Exception as exc:  # the host-launched figures stand; say why the graph has none
             out[f"{name}_graph_error"] = f"{type(exc).__name__}: {exc}"
     return out

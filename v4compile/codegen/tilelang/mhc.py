@@ -101,23 +101,24 @@ def build(target):
                 for s in T.serial(splits):
                     total[c] += part[r, c, s]
                 mix[c] = total[c]
+            inv = T.alloc_local((1,), ACC)
+            inv[0] = T.rsqrt(mix[MIX] / WIDTH + NORM_EPS)
             if bd < D_BLOCKS:
                 ysum = T.alloc_fragment((BLOCK_D,), ACC)
                 for d in T.Parallel(BLOCK_D):
                     ysum[d] = 0.0
                     if bd * BLOCK_D + d < DIM:
                         for j in T.serial(N):
-                            ysum[d] += (T.sigmoid(mix[j] * T.rsqrt(mix[MIX] / WIDTH + NORM_EPS) * scale[0] + base[j])
-                                        + HC_EPS) * T.cast(x[r, j * DIM + bd * BLOCK_D + d], ACC)
+                            ysum[d] += (T.sigmoid(mix[j] * inv[0] * scale[0] + base[j]) + HC_EPS) * T.cast(
+                                x[r, j * DIM + bd * BLOCK_D + d], ACC)
                         y[r, bd * BLOCK_D + d] = T.cast(ysum[d], OUT)
             else:
                 cm = T.alloc_local((NN,), ACC)
                 tmp = T.alloc_local((1,), ACC)
                 for i in T.serial(N):
-                    post[r, i] = 2.0 * T.sigmoid(mix[N + i] * T.rsqrt(mix[MIX] / WIDTH + NORM_EPS) * scale[1]
-                                                 + base[N + i])
+                    post[r, i] = 2.0 * T.sigmoid(mix[N + i] * inv[0] * scale[1] + base[N + i])
                 for i in T.serial(NN):
-                    cm[i] = mix[2 * N + i] * T.rsqrt(mix[MIX] / WIDTH + NORM_EPS) * scale[2] + base[2 * N + i]
+                    cm[i] = mix[2 * N + i] * inv[0] * scale[2] + base[2 * N + i]
                 for i in T.serial(N):
                     # row softmax, then + eps
                     tmp[0] = cm[i * N]
