@@ -1,16 +1,19 @@
-"""Exact top-k in Triton: a threshold from group maxima, one collecting pass, a ranking kernel.
+"""Exact top-k in Triton: group maxima with a threshold, a collecting pass, a ranking kernel.
 
 1. ``topk_group_max``: many programs per row take the maximum key of every (strided) group of ``GROUP``
-   candidates; keys order floats as unsigned integers.
-2. ``topk_threshold``: one program per row bisects for ``t``, the k-th largest group maximum to 16 bits:
-   at least k candidates are ``>= t``, so every one of the top k is, and for random scores few more.
-3. ``topk_collect``: many programs per row gather every candidate ``> t``, packed as ``key << 32 | ~index``.
-4. ``topk_select``: a few programs per row walk the gathered candidates; one's rank among them (packed
+   candidates (about two groups per wanted key); keys order floats as unsigned integers. The row's last
+   program to finish (a ticket) finds ``t``, the k-th largest group maximum to 16 bits, by two 8-bit radix
+   rounds: at least k candidates are ``>= t``, so every one of the top k is, and for random scores few
+   more. Each later kernel is launched to start as the one before it ends (programmatic dependent launch).
+2. ``topk_collect``: many programs per row gather their candidates ``> t``, packed as
+   ``key << 32 | ~index``, at slots taken by one atomic per tile.
+3. ``topk_select``: a few programs per row walk the gathered candidates; one's rank among them (packed
    keys are unique, so a count of larger ones) is its output position when below k: the stable
-   descending-sort order, whatever order the atomics gathered them in. Fewer than k above ``t`` leaves the
-   rest to the lowest-indexed keys equal to ``t`` (ties, or -inf filling a short row), which one program
-   emits in index order. When more than ``CAP`` candidates exceed ``t`` (clustered scores), one program
-   per row instead finds the k-th key exactly by 8-bit radix rounds over the whole row.
+   descending-sort order, whatever order the atomics gathered them in. The value is decoded from the key,
+   so the row is not read again. Fewer than k above ``t`` leaves the rest to the lowest-indexed keys equal
+   to ``t`` (ties, or -inf filling a short row), which one program emits in index order. When more than
+   ``CAP`` candidates exceed ``t`` (clustered scores), one program per row instead finds the k-th key
+   exactly by 8-bit radix rounds over the whole row.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from .launch import load_triton_module, lowered_text
 _SOURCE = '''
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 K = tl.constexpr({k})
 BLOCK = tl.constexpr({block})
@@ -35,6 +39,7 @@ CAP = tl.constexpr({cap})
 RANK = tl.constexpr({rank})
 SPAN = tl.constexpr({span})
 MASK_INVALID = tl.constexpr({mask_invalid})
+PDL = tl.constexpr({pdl})
 
 
 @triton.jit
@@ -46,21 +51,17 @@ def _keys(x):
 
 
 @triton.jit
-def _packed(key, offs):
-    # larger packed value = larger key, then lower index
-    return (key.to(tl.uint64) << 32) | (4294967295 - offs.to(tl.uint64))
+def _value(key):
+    # the float a key was made from (the inverse of _keys)
+    sign = tl.full([], 2147483648, tl.uint32)
+    bits = tl.where(key >= sign, key ^ sign, ~key)
+    return bits.to(tl.int32, bitcast=True).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def topk_group_max(X, GMAX, n, s_x, n_groups):
-    # group g holds candidates g, g + n_groups, g + 2 n_groups, ...: strided, so runs of large values
-    # (scores that grow with position, say) spread over many groups
-    row = tl.program_id(0)
-    groups = tl.program_id(1) * TILE_G + tl.arange(0, TILE_G)
-    offs = tl.arange(0, GROUP)[:, None] * n_groups + groups[None, :]
-    valid = (offs < n) & (groups < n_groups)[None, :]
-    key = tl.where(valid, _keys(tl.load(X + row * s_x + offs, mask=valid, other=0.0)), 0)
-    tl.store(GMAX + row * GROUPS + groups, tl.max(key, axis=0).to(tl.int32, bitcast=True), mask=groups < n_groups)
+def _packed(key, offs):
+    # larger packed value = larger key, then lower index
+    return (key.to(tl.uint64) << 32) | (4294967295 - offs.to(tl.uint64))
 
 
 @triton.jit
@@ -74,35 +75,53 @@ def _narrow(hist, prefix, known, left, shift: tl.constexpr):
 
 
 @triton.jit
-def topk_threshold(GMAX, THRESH, COUNT, n_groups):
-    # t: the k-th largest group maximum to 16 bits (bisection over the key's high half), so at least k
-    # candidates are >= t; any between t and the exact k-th maximum only widen the gathered set a little
-    row = tl.program_id(0)
+def _threshold(GMAX, row, n_groups):
+    # the k-th largest group maximum to 16 bits: two 8-bit radix rounds over the row's group maxima
     g = tl.arange(0, GROUPS)
-    keys = tl.load(GMAX + row * GROUPS + g, mask=g < n_groups, other=0).to(tl.uint32, bitcast=True)
-    t = tl.full([], 0, tl.uint32)
-    for bit in tl.static_range(31, 15, -1):
-        trial = t | (tl.full([], 1, tl.uint32) << bit)
-        if tl.sum((keys >= trial).to(tl.int32), axis=0) >= K:
-            t = trial
-    tl.store(THRESH + row, t.to(tl.int32, bitcast=True))
-    tl.store(COUNT + row, 0)
+    valid = g < n_groups
+    keys = tl.load(GMAX + row * GROUPS + g, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+    prefix = tl.full([], 0, tl.uint32)
+    known = tl.full([], 0, tl.uint32)
+    left = K
+    hist = tl.histogram((keys >> 24).to(tl.int32), 256, mask=valid)
+    prefix, known, left = _narrow(hist, prefix, known, left, 24)
+    hist = tl.histogram(((keys >> 16) & 255).to(tl.int32), 256, mask=valid & ((keys & known) == prefix))
+    return _narrow(hist, prefix, known, left, 16)[0]
 
 
 @triton.jit
-def topk_collect(X, THRESH, COUNT, CAND, n, s_x, iters):
+def topk_group_max(X, GMAX, STATE, THRESH, n, s_x, n_groups):
+    # group g holds candidates g, g + n_groups, g + 2 n_groups, ...: strided, so runs of large values
+    # (scores that grow with position, say) spread over many groups. The row's last program to finish
+    # (a ticket in STATE, zeroed by the caller) finds the threshold from all of them.
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0)
-    start = tl.program_id(1) * iters * BLOCK
-    threshold = tl.load(THRESH + row).to(tl.uint32, bitcast=True)
-    for it in range(iters):
-        offs = start + it * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < n
-        key = _keys(tl.load(X + row * s_x + offs, mask=valid, other=0.0))
-        cand = valid & (key > threshold)
-        if tl.sum(cand.to(tl.int32), axis=0) > 0:
-            # candidates are few (about k per row): one atomic slot each beats a block-wide scan
-            pos = tl.atomic_add(COUNT + row + tl.zeros([BLOCK], tl.int32), 1, mask=cand)
-            tl.store(CAND + row * CAP + pos, _packed(key, offs).to(tl.int64, bitcast=True), mask=cand & (pos < CAP))
+    groups = tl.program_id(1) * TILE_G + tl.arange(0, TILE_G)
+    offs = tl.arange(0, GROUP)[:, None] * n_groups + groups[None, :]
+    valid = (offs < n) & (groups < n_groups)[None, :]
+    key = tl.where(valid, _keys(tl.load(X + row * s_x + offs, mask=valid, other=0.0)), 0)
+    tl.store(GMAX + row * GROUPS + groups, tl.max(key, axis=0).to(tl.int32, bitcast=True), mask=groups < n_groups)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(STATE + 2 * row + 1, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(1) - 1:
+        tl.store(THRESH + row, _threshold(GMAX, row, n_groups).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def topk_collect(X, THRESH, STATE, CAND, n, s_x):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < n
+    key = _keys(tl.load(X + row * s_x + offs, mask=valid, other=0.0))
+    cand = (valid & (key > tl.load(THRESH + row).to(tl.uint32, bitcast=True))).to(tl.int32)
+    found = tl.sum(cand, axis=0)
+    if found > 0:
+        pos = tl.atomic_add(STATE + 2 * row, found) + tl.cumsum(cand, axis=0) - cand
+        tl.store(CAND + row * CAP + pos, _packed(key, offs).to(tl.int64, bitcast=True), mask=(cand > 0) & (pos < CAP))
 
 
 @triton.jit
@@ -117,9 +136,9 @@ def _rank(TABLE, count, mine):
 
 
 @triton.jit
-def _emit(X, VALUES, IDS, row, s_x, s_v, s_i, mine, rank, keep):
+def _emit(VALUES, IDS, row, s_v, s_i, mine, rank, keep):
     idx = (4294967295 - (mine & 4294967295)).to(tl.int64)
-    value = tl.load(X + row * s_x + idx, mask=keep)
+    value = _value((mine >> 32).to(tl.uint32))
     if MASK_INVALID:
         idx = tl.where(value == float("-inf"), -1, idx)
     tl.store(VALUES + row * s_v + rank, value, mask=keep)
@@ -167,7 +186,7 @@ def _select_exactly(X, WIN, VALUES, IDS, row, n, s_x, s_v, s_i):
     for first in range(0, K, RANK):
         ids = first + tl.arange(0, RANK)
         mine = tl.load(WIN + ids, mask=ids < K, other=0).to(tl.uint64, bitcast=True)
-        _emit(X, VALUES, IDS, row, s_x, s_v, s_i, mine, _rank(WIN, K, mine), ids < K)
+        _emit(VALUES, IDS, row, s_v, s_i, mine, _rank(WIN, K, mine), ids < K)
 
 
 @triton.jit
@@ -192,9 +211,11 @@ def _emit_ties(X, VALUES, IDS, row, n, s_x, s_v, s_i, threshold, first):
 
 
 @triton.jit
-def topk_select(X, THRESH, COUNT, CAND, VALUES, IDS, n, s_x, s_v, s_i):
+def topk_select(X, THRESH, STATE, CAND, VALUES, IDS, n, s_x, s_v, s_i):
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0)
-    total = tl.load(COUNT + row)
+    total = tl.load(STATE + 2 * row)
     if total <= CAP:
         if (tl.program_id(1) == 0) & (total < K):
             _emit_ties(X, VALUES, IDS, row, n, s_x, s_v, s_i, tl.load(THRESH + row).to(tl.uint32, bitcast=True),
@@ -203,7 +224,7 @@ def topk_select(X, THRESH, COUNT, CAND, VALUES, IDS, n, s_x, s_v, s_i):
             ids = first + tl.arange(0, RANK)
             mine = tl.load(CAND + row * CAP + ids, mask=ids < total, other=0).to(tl.uint64, bitcast=True)
             rank = _rank(CAND + row * CAP, total, mine)
-            _emit(X, VALUES, IDS, row, s_x, s_v, s_i, mine, rank, (ids < total) & (rank < K))
+            _emit(VALUES, IDS, row, s_v, s_i, mine, rank, (ids < total) & (rank < K))
     elif tl.program_id(1) == 0:
         _select_exactly(X, CAND + row * CAP, VALUES, IDS, row, n, s_x, s_v, s_i)
 '''
@@ -214,23 +235,27 @@ def kernel_name(k: int) -> str:
     return f"radix_topk.k{k}.triton"
 
 
-def launch_config(rows: int, n: int, k: int, cuda: bool, tile: int = 1024) -> dict[str, int]:
-    """Group size (about 8k strided groups, so the threshold admits only a few more than k candidates), one
-    tile of ``tile`` candidates per program in both passes (the collect pass waits on an atomic per tile,
-    so tiles run side by side rather than in a loop), candidate room, and the ranking split: small blocks
-    over many programs for few rows, larger blocks once rows fill the GPU (H200 sweeps)."""
-    group = max(1, min(256, 1 << max(0, (n // (8 * k)).bit_length() - 1)))
+def launch_config(rows: int, n: int, k: int, cuda: bool) -> dict[str, int]:
+    """Group size (about two strided groups per wanted key: a small table for the threshold, at the price
+    of ~1.4k gathered candidates), 16+ groups per group-maxima program (64-byte runs; 128 once rows fill
+    the GPU and bandwidth counts), one collecting tile per program, candidate room, and the ranking split:
+    small blocks over many programs for few rows, larger ones once rows fill the GPU (H200 sweeps; the
+    iteration notes in benchmarks/RESULTS.md)."""
+    group = max(1, min(256, 1 << max(0, (n // (2 * k)).bit_length() - 1)))
     n_groups = triton.cdiv(n, group)
-    tile = min(tile if cuda else 256, triton_next_pow2(max(n, 16)))
-    rank = (16 if rows < 16 else 64) if cuda else 256
+    groups = triton_next_pow2(n_groups)
+    tile = min((512 if rows < 16 else 1024) if cuda else 256, triton_next_pow2(max(n, 16)))
+    rank = (8 if rows < 16 else 64) if cuda else 256
     span = (1024 if rows < 16 else 256) if cuda else 1024
-    return {"BLOCK": tile, "iters": 1, "chunks": triton.cdiv(n, tile), "GROUP": group,
-            "TILE_G": max(1, tile // group), "n_groups": n_groups, "GROUPS": triton_next_pow2(n_groups),
+    return {"BLOCK": tile, "chunks": triton.cdiv(n, tile), "GROUP": group,
+            "TILE_G": min(groups, max(16 if rows < 16 else 32, 4096 // group)), "n_groups": n_groups,
+            "GROUPS": groups,
             "CAP": max(4096, 4 * triton_next_pow2(k)), "RANK": rank, "SPAN": span,
-            "SELECTORS": max(1, triton.cdiv(k, rank))}
+            "SELECTORS": max(1, triton.cdiv(2 * k, rank)), "PDL": int(cuda),
+            "warps_max": 8 if cuda and rows < 16 else 4, "warps_collect": 4, "warps_select": 4}
 
 
-_RUNTIME = ("iters", "chunks", "n_groups", "SELECTORS")
+_RUNTIME = ("chunks", "n_groups", "SELECTORS", "warps_max", "warps_collect", "warps_select")
 
 
 def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
@@ -255,19 +280,22 @@ def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
             lambda path: load_triton_module(path, not cuda), key=(tuple(sorted(constants.items())), mask_invalid, cuda))
         gmax = torch.empty(r, config["GROUPS"], dtype=torch.int32, device=x.device)
         thresh = torch.empty(r, dtype=torch.int32, device=x.device)
-        count = torch.empty(r, dtype=torch.int32, device=x.device)
+        state = torch.zeros(r, 2, dtype=torch.int32, device=x.device)  # per row: gathered count, finished programs
         cand = torch.empty(r, config["CAP"], dtype=torch.int64, device=x.device)
-        s_x, n_groups, tile_g = rows.stride(0), config["n_groups"], config["TILE_G"]
+        s_x, n_groups = rows.stride(0), config["n_groups"]
+        pdl = {"launch_pdl": True} if config["PDL"] else {}  # each kernel may start as its predecessor ends
 
         def run() -> None:
-            module.topk_group_max[(r, triton.cdiv(n_groups, tile_g))](rows, gmax, n, s_x, n_groups)
-            module.topk_threshold[(r,)](gmax, thresh, count, n_groups, num_warps=8 if cuda else 4)
-            module.topk_collect[(r, config["chunks"])](rows, thresh, count, cand, n, s_x, config["iters"])
+            module.topk_group_max[(r, triton.cdiv(n_groups, config["TILE_G"]))](
+                rows, gmax, state, thresh, n, s_x, n_groups, num_warps=config["warps_max"])
+            module.topk_collect[(r, config["chunks"])](
+                rows, thresh, state, cand, n, s_x, num_warps=config["warps_collect"], **pdl)
             module.topk_select[(r, config["SELECTORS"])](
-                rows, thresh, count, cand, values, ids, n, s_x, values.stride(0), ids.stride(0))
+                rows, thresh, state, cand, values, ids, n, s_x, values.stride(0), ids.stride(0),
+                num_warps=config["warps_select"], **pdl)
 
         REGISTRY.launch(name, run)
-        REGISTRY.note_launch(name, grid=(r, config["chunks"]), launches_per_call=4, candidates=n, **config)
+        REGISTRY.note_launch(name, grid=(r, config["chunks"]), launches_per_call=3, candidates=n, **config)
         if cuda and REGISTRY.records[name].lowered is None:
             REGISTRY.set_lowered(name, lowered_text(module.topk_collect) or "")
     if x.dtype != torch.float32:  # the kernel wrote fp32 copies; take the values in x's own precision
