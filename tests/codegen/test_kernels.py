@@ -8,9 +8,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from triton import cdiv as triton_cdiv
 
 from v4compile.codegen import ops, reference
 from v4compile.codegen.registry import REGISTRY
+from v4compile.codegen.triton import radix_topk as radix_topk_triton
 
 FAST = ("triton", "tilelang")
 
@@ -53,6 +55,23 @@ def _lowest_index_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
         rows_i.append(order)
         rows_v.append([row[i] for i in order])
     return torch.tensor(rows_v).view(*x.shape[:-1], k), torch.tensor(rows_i).view(*x.shape[:-1], k)
+
+
+@pytest.mark.parametrize(("skip_runs", "sort"), [(0, 256), (1, 256), (1, 0)])
+def test_radix_topk_collect_and_select_modes_are_exact(skip_runs: int, sort: int) -> None:
+    """The collect reads every tile (few rows on the GPU) or only runs above the threshold (otherwise); the
+    select sorts the gathered candidates (up to SORT of them) or ranks each by counting."""
+    torch.manual_seed(skip_runs)
+    x = torch.randn(3, 6000).bfloat16().float()
+    x[1] = torch.arange(6000.0)  # the top keys sit in the last runs
+    x[2, 3000:] = float("-inf")
+    config = {**radix_topk_triton.launch_config(3, 6000, 100, cuda=False), "SKIP_RUNS": skip_runs, "SORT": sort}
+    runs, block = config["n_runs"], config["BLOCK"]
+    config["collectors"] = triton_cdiv(runs, config["RB"]) if skip_runs else triton_cdiv(6000, block)
+    for mask in (False, True):
+        values, ids = radix_topk_triton.radix_topk(x, 100, mask, config)
+        want_v, want_i = reference.radix_topk(x, 100, mask)
+        assert torch.equal(ids, want_i) and torch.equal(values, want_v)
 
 
 @pytest.mark.parametrize(("rows", "n", "k"), [(3, 100, 8), (2, 1024, 8), (2, 5000, 64), (2, 37, 37), (1, 3000, 2048)])

@@ -5,15 +5,18 @@
    program to finish (a ticket) finds ``t``, the k-th largest group maximum to 16 bits, by two 8-bit radix
    rounds: at least k candidates are ``>= t``, so every one of the top k is, and for random scores few
    more. Each later kernel is launched to start as the one before it ends (programmatic dependent launch).
-2. ``topk_collect``: many programs per row gather their candidates ``> t``, packed as
-   ``key << 32 | ~index``, at slots taken by one atomic per tile.
-3. ``topk_select``: a few programs per row walk the gathered candidates; one's rank among them (packed
-   keys are unique, so a count of larger ones) is its output position when below k: the stable
-   descending-sort order, whatever order the atomics gathered them in. The value is decoded from the key,
-   so the row is not read again. Fewer than k above ``t`` leaves the rest to the lowest-indexed keys equal
-   to ``t`` (ties, or -inf filling a short row), which one program emits in index order. When more than
-   ``CAP`` candidates exceed ``t`` (clustered scores), one program per row instead finds the k-th key
-   exactly by 8-bit radix rounds over the whole row.
+2. ``topk_collect``: many programs per row gather the candidates ``> t``, packed as ``key << 32 | ~index``,
+   at slots taken by one atomic per batch. With many rows (bandwidth counts) the group-maxima pass also
+   kept the maximum of every run of ``TILE_G`` consecutive candidates, so only runs whose maximum exceeds
+   ``t`` (about one per gathered candidate) are read again; with few rows on the GPU every tile is read
+   (fewer dependent steps).
+3. ``topk_select``: one program per row sorts the gathered candidates (up to ``SORT``; packed keys are
+   unique, so their descending order is the stable descending-sort order, whatever order the atomics
+   gathered them in); more than that, and a few programs per row rank each candidate by counting the
+   larger ones. The value is decoded from the key, so the row is not read again. Fewer than k above ``t``
+   leaves the rest to the lowest-indexed keys equal to ``t`` (ties, or -inf filling a short row), which one
+   program emits in index order. When more than ``CAP`` candidates exceed ``t`` (clustered scores), one
+   program per row instead finds the k-th key exactly by 8-bit radix rounds over the whole row.
 """
 
 from __future__ import annotations
@@ -34,10 +37,14 @@ K = tl.constexpr({k})
 BLOCK = tl.constexpr({block})
 GROUP = tl.constexpr({group})
 TILE_G = tl.constexpr({tile_g})
+RB = tl.constexpr({rb})
+HB = tl.constexpr({hb})
+SKIP_RUNS = tl.constexpr({skip_runs})
 GROUPS = tl.constexpr({groups})
 CAP = tl.constexpr({cap})
 RANK = tl.constexpr({rank})
 SPAN = tl.constexpr({span})
+SORT = tl.constexpr({sort})
 MASK_INVALID = tl.constexpr({mask_invalid})
 PDL = tl.constexpr({pdl})
 
@@ -90,7 +97,7 @@ def _threshold(GMAX, row, n_groups):
 
 
 @triton.jit
-def topk_group_max(X, GMAX, STATE, THRESH, n, s_x, n_groups):
+def topk_group_max(X, GMAX, RMAX, STATE, THRESH, n, s_x, n_groups, n_runs):
     # group g holds candidates g, g + n_groups, g + 2 n_groups, ...: strided, so runs of large values
     # (scores that grow with position, say) spread over many groups. The row's last program to finish
     # (a ticket in STATE, zeroed by the caller) finds the threshold from all of them.
@@ -102,6 +109,9 @@ def topk_group_max(X, GMAX, STATE, THRESH, n, s_x, n_groups):
     valid = (offs < n) & (groups < n_groups)[None, :]
     key = tl.where(valid, _keys(tl.load(X + row * s_x + offs, mask=valid, other=0.0)), 0)
     tl.store(GMAX + row * GROUPS + groups, tl.max(key, axis=0).to(tl.int32, bitcast=True), mask=groups < n_groups)
+    if SKIP_RUNS:  # each tile row is a run of TILE_G consecutive candidates; its maximum lets the collect skip it
+        runs = tl.arange(0, GROUP) * tl.num_programs(1) + tl.program_id(1)
+        tl.store(RMAX + row * n_runs + runs, tl.max(key, axis=1).to(tl.int32, bitcast=True))
     tl.debug_barrier()
     ticket = tl.atomic_add(STATE + 2 * row + 1, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(1) - 1:
@@ -109,19 +119,49 @@ def topk_group_max(X, GMAX, STATE, THRESH, n, s_x, n_groups):
 
 
 @triton.jit
-def topk_collect(X, THRESH, STATE, CAND, n, s_x):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    row = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < n
-    key = _keys(tl.load(X + row * s_x + offs, mask=valid, other=0.0))
-    cand = (valid & (key > tl.load(THRESH + row).to(tl.uint32, bitcast=True))).to(tl.int32)
+def _gather(STATE, CAND, row, key, offs, cand):
+    # appends the packed keys where ``cand`` is 1 to the row's candidates (1-D tensors)
     found = tl.sum(cand, axis=0)
     if found > 0:
         pos = tl.atomic_add(STATE + 2 * row, found) + tl.cumsum(cand, axis=0) - cand
         tl.store(CAND + row * CAP + pos, _packed(key, offs).to(tl.int64, bitcast=True), mask=(cand > 0) & (pos < CAP))
+
+
+@triton.jit
+def topk_collect(X, RMAX, HOT, THRESH, STATE, CAND, n, s_x, n_groups, n_runs):
+    # SKIP_RUNS: RB runs per program, only those whose maximum exceeds t read, HB at a time (many rows:
+    # bandwidth counts); else one BLOCK-wide tile per program (few rows: fewer dependent steps), loaded
+    # before waiting for the group-maxima kernel (the row was written before that kernel started)
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    if not SKIP_RUNS:
+        tile = tl.load(X + row * s_x + offs, mask=offs < n, other=0.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    threshold = tl.load(THRESH + row).to(tl.uint32, bitcast=True)
+    if SKIP_RUNS:
+        runs = tl.program_id(1) * RB + tl.arange(0, RB)
+        peak = tl.load(RMAX + row * n_runs + runs, mask=runs < n_runs, other=0).to(tl.uint32, bitcast=True)
+        hot = (peak > threshold).to(tl.int32)
+        n_hot = tl.sum(hot, axis=0)
+        if n_hot > 0:
+            listed = HOT + (row * tl.num_programs(1) + tl.program_id(1)) * RB
+            tl.store(listed + tl.cumsum(hot, axis=0) - hot, runs, mask=hot > 0)
+            tl.debug_barrier()
+            for first in range(0, n_hot, HB):
+                j = first + tl.arange(0, HB)
+                run = tl.load(listed + j, mask=j < n_hot, other=0)
+                g = (run % (n_runs // GROUP))[:, None] * TILE_G + tl.arange(0, TILE_G)[None, :]
+                at = (run // (n_runs // GROUP))[:, None] * n_groups + g
+                valid = (j < n_hot)[:, None] & (g < n_groups) & (at < n)
+                key = _keys(tl.load(X + row * s_x + at, mask=valid, other=0.0))
+                cand = (valid & (key > threshold)).to(tl.int32)
+                _gather(STATE, CAND, row, tl.reshape(key, [HB * TILE_G]), tl.reshape(at, [HB * TILE_G]),
+                        tl.reshape(cand, [HB * TILE_G]))
+    else:
+        key = _keys(tile)
+        _gather(STATE, CAND, row, key, offs, ((offs < n) & (key > threshold)).to(tl.int32))
 
 
 @triton.jit
@@ -220,11 +260,17 @@ def topk_select(X, THRESH, STATE, CAND, VALUES, IDS, n, s_x, s_v, s_i):
         if (tl.program_id(1) == 0) & (total < K):
             _emit_ties(X, VALUES, IDS, row, n, s_x, s_v, s_i, tl.load(THRESH + row).to(tl.uint32, bitcast=True),
                        total)
-        for first in range(tl.program_id(1) * RANK, total, tl.num_programs(1) * RANK):
-            ids = first + tl.arange(0, RANK)
-            mine = tl.load(CAND + row * CAP + ids, mask=ids < total, other=0).to(tl.uint64, bitcast=True)
-            rank = _rank(CAND + row * CAP, total, mine)
-            _emit(VALUES, IDS, row, s_v, s_i, mine, rank, (ids < total) & (rank < K))
+        if SORT > 0:
+            if (total <= SORT) & (tl.program_id(1) == 0):  # one sort of the candidates: their order is the output's
+                ids = tl.arange(0, SORT)
+                mine = tl.load(CAND + row * CAP + ids, mask=ids < total, other=0).to(tl.uint64, bitcast=True)
+                _emit(VALUES, IDS, row, s_v, s_i, tl.sort(mine, descending=True), ids, (ids < total) & (ids < K))
+        if total > SORT:
+            for first in range(tl.program_id(1) * RANK, total, tl.num_programs(1) * RANK):
+                ids = first + tl.arange(0, RANK)
+                mine = tl.load(CAND + row * CAP + ids, mask=ids < total, other=0).to(tl.uint64, bitcast=True)
+                rank = _rank(CAND + row * CAP, total, mine)
+                _emit(VALUES, IDS, row, s_v, s_i, mine, rank, (ids < total) & (rank < K))
     elif tl.program_id(1) == 0:
         _select_exactly(X, CAND + row * CAP, VALUES, IDS, row, n, s_x, s_v, s_i)
 '''
@@ -238,24 +284,31 @@ def kernel_name(k: int) -> str:
 def launch_config(rows: int, n: int, k: int, cuda: bool) -> dict[str, int]:
     """Group size (about two strided groups per wanted key: a small table for the threshold, at the price
     of ~1.4k gathered candidates), 16+ groups per group-maxima program (64-byte runs; 128 once rows fill
-    the GPU and bandwidth counts), one collecting tile per program, candidate room, and the ranking split:
-    small blocks over many programs for few rows, larger ones once rows fill the GPU (H200 sweeps; the
-    iteration notes in benchmarks/RESULTS.md)."""
+    the GPU and bandwidth counts), how the collect reads (every tile for few rows on the GPU; else only
+    runs above the threshold, RB per program, HB at a time), candidate room, and the ranking split: small
+    blocks over many programs for few rows, larger ones once rows fill the GPU (H200 sweeps; the iteration
+    notes in benchmarks/RESULTS.md)."""
     group = max(1, min(256, 1 << max(0, (n // (2 * k)).bit_length() - 1)))
     n_groups = triton.cdiv(n, group)
     groups = triton_next_pow2(n_groups)
-    tile = min((512 if rows < 16 else 1024) if cuda else 256, triton_next_pow2(max(n, 16)))
-    rank = (8 if rows < 16 else 64) if cuda else 256
-    span = (1024 if rows < 16 else 256) if cuda else 1024
-    return {"BLOCK": tile, "chunks": triton.cdiv(n, tile), "GROUP": group,
-            "TILE_G": min(groups, max(16 if rows < 16 else 32, 4096 // group)), "n_groups": n_groups,
-            "GROUPS": groups,
-            "CAP": max(4096, 4 * triton_next_pow2(k)), "RANK": rank, "SPAN": span,
-            "SELECTORS": max(1, triton.cdiv(2 * k, rank)), "PDL": int(cuda),
-            "warps_max": 8 if cuda and rows < 16 else 4, "warps_collect": 4, "warps_select": 4}
+    tile_g = min(groups, max(16 if rows < 16 else 32, 4096 // group))
+    n_runs = group * triton.cdiv(n_groups, tile_g)
+    few = rows < 16 or not cuda
+    block = min((512 if rows < 16 else 1024) if cuda else 256, triton_next_pow2(max(n, 16)))
+    skip_runs = int(not (cuda and rows < 16))
+    rb = 64 if few else 256
+    return {"BLOCK": block, "GROUP": group, "TILE_G": tile_g, "n_groups": n_groups, "GROUPS": groups,
+            "n_runs": n_runs, "SKIP_RUNS": skip_runs, "RB": rb, "HB": 8 if few else 16,
+            "collectors": triton.cdiv(n_runs, rb) if skip_runs else triton.cdiv(n, block),
+            "CAP": max(4096, 4 * triton_next_pow2(k)),
+            "RANK": (8 if rows < 16 else 64) if cuda else 256, "SPAN": 1024 if few else 256,
+            "SELECTORS": max(1, triton.cdiv(2 * k, (8 if rows < 16 else 64) if cuda else 256)), "PDL": int(cuda),
+            "SORT": triton_next_pow2(2 * k) if k <= 1024 and rows >= 16 and cuda else 0,
+            "warps_max": 8 if cuda and rows < 16 else 4, "warps_collect": 4,
+            "warps_select": 8 if cuda and rows >= 16 else 4}
 
 
-_RUNTIME = ("chunks", "n_groups", "SELECTORS", "warps_max", "warps_collect", "warps_select")
+_RUNTIME = ("collectors", "n_runs", "n_groups", "SELECTORS", "warps_max", "warps_collect", "warps_select")
 
 
 def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
@@ -282,20 +335,23 @@ def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
         thresh = torch.empty(r, dtype=torch.int32, device=x.device)
         state = torch.zeros(r, 2, dtype=torch.int32, device=x.device)  # per row: gathered count, finished programs
         cand = torch.empty(r, config["CAP"], dtype=torch.int64, device=x.device)
-        s_x, n_groups = rows.stride(0), config["n_groups"]
+        s_x, n_groups, n_runs, collectors = rows.stride(0), config["n_groups"], config["n_runs"], config["collectors"]
+        run_max = torch.empty(r, n_runs, dtype=torch.int32, device=x.device)
+        hot = torch.empty(r, collectors * config["RB"], dtype=torch.int32, device=x.device)
         pdl = {"launch_pdl": True} if config["PDL"] else {}  # each kernel may start as its predecessor ends
 
         def run() -> None:
             module.topk_group_max[(r, triton.cdiv(n_groups, config["TILE_G"]))](
-                rows, gmax, state, thresh, n, s_x, n_groups, num_warps=config["warps_max"])
-            module.topk_collect[(r, config["chunks"])](
-                rows, thresh, state, cand, n, s_x, num_warps=config["warps_collect"], **pdl)
+                rows, gmax, run_max, state, thresh, n, s_x, n_groups, n_runs, num_warps=config["warps_max"])
+            module.topk_collect[(r, collectors)](
+                rows, run_max, hot, thresh, state, cand, n, s_x, n_groups, n_runs, num_warps=config["warps_collect"],
+                **pdl)
             module.topk_select[(r, config["SELECTORS"])](
                 rows, thresh, state, cand, values, ids, n, s_x, values.stride(0), ids.stride(0),
                 num_warps=config["warps_select"], **pdl)
 
         REGISTRY.launch(name, run)
-        REGISTRY.note_launch(name, grid=(r, config["chunks"]), launches_per_call=3, candidates=n, **config)
+        REGISTRY.note_launch(name, grid=(r, collectors), launches_per_call=3, candidates=n, **config)
         if cuda and REGISTRY.records[name].lowered is None:
             REGISTRY.set_lowered(name, lowered_text(module.topk_collect) or "")
     if x.dtype != torch.float32:  # the kernel wrote fp32 copies; take the values in x's own precision
