@@ -57,6 +57,28 @@ def _lowest_index_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return torch.tensor(rows_v).view(*x.shape[:-1], k), torch.tensor(rows_i).view(*x.shape[:-1], k)
 
 
+def test_radix_topk_nan_zero_signs_and_wide_dtypes_match_the_reference() -> None:
+    """NaN of either sign ranks first (ties by index), a zero keeps its sign, and fp64 / integer scores
+    (which fp32 keys cannot order) are ranked exactly too."""
+    torch.manual_seed(5)
+    x = torch.randn(2, 3000)
+    x[0, 7] = float("nan")
+    x[0, 50] = -float("nan")
+    x[1] = -1.0
+    x[1, [10, 30]] = -0.0
+    x[1, 20] = 0.0
+    for mask in (False, True):
+        values, ids = ops.radix_topk(x, 8, mask, "triton")
+        want_v, want_i = reference.radix_topk(x, 8, mask)
+        assert torch.equal(ids, want_i)
+        assert torch.equal(values.isnan(), want_v.isnan()) and torch.equal(values.signbit(), want_v.signbit())
+    wide = torch.tensor([[1.0, 1.0 + 1e-12, -1e300, 3.0, 1e300, 2.0]], dtype=torch.float64)
+    assert torch.equal(ops.radix_topk(wide, 6, True, "triton")[1], reference.radix_topk(wide, 6, True)[1])
+    ints = torch.tensor([[16777216, 16777217, 5, 3]], dtype=torch.int32)
+    got_v, got_i = ops.radix_topk(ints, 2, False, "triton")
+    assert torch.equal(got_i, torch.tensor([[1, 0]])) and got_v.dtype == torch.int32
+
+
 @pytest.mark.parametrize(("skip_runs", "sort"), [(0, 256), (1, 256), (1, 0)])
 def test_radix_topk_collect_and_select_modes_are_exact(skip_runs: int, sort: int) -> None:
     """The collect reads every tile (few rows on the GPU) or only runs above the threshold (otherwise); the

@@ -40,7 +40,7 @@ def test_compressor_pool_state_cuda(backend: str, ratio: int, width: int) -> Non
                                                      (3, 5000, 2048, "heavy"), (2, 100, 8, "heavy"),
                                                      (64, 262144, 512, "bf16"), (2, 1 << 20, 2048, "bf16"),
                                                      (256, 4096, 64, "bf16"), (2, 80000, 128, "periodic"),
-                                                     (3, 262144, 512, "short")])
+                                                     (3, 262144, 512, "short"), (2, 50000, 256, "nan")])
 def test_radix_topk_cuda_exact_with_ties_and_masks(rows: int, n: int, k: int, ties: str) -> None:
     x = torch.randn(rows, n, device="cuda")
     if ties == "heavy":  # thousands tie at the threshold: the exact slow path
@@ -50,13 +50,18 @@ def test_radix_topk_cuda_exact_with_ties_and_masks(rows: int, n: int, k: int, ti
     elif ties == "short":  # fewer real scores than k: -inf fills the rest from the lowest index
         x = torch.full((rows, n), float("-inf"), device="cuda")
         x[:, ::1000] = torch.randn(rows, triton_cdiv(n, 1000), device="cuda")
+    elif ties == "nan":  # NaN of either sign ranks first, ties by index; zeros keep their sign
+        x[:, 100:110] = float("nan")
+        x[:, 200:205] = -float("nan")
+        x[:, 300:310] = -0.0
     else:  # bf16-valued scores like the indexer's: tens tie at the threshold
         x = x.bfloat16().float()
     x[0, n // 2 :] = float("-inf")
     for mask in (False, True):
         got_v, got_i = ops.radix_topk(x, k, mask, "triton")
         want_v, want_i = reference.radix_topk(x, k, mask)
-        assert torch.equal(got_i, want_i) and torch.equal(got_v, want_v)
+        assert torch.equal(got_i, want_i) and torch.equal(got_v.nan_to_num(), want_v.nan_to_num())
+        assert torch.equal(got_v.signbit(), want_v.signbit())
 
 
 @pytest.mark.parametrize(("heads", "k"), [(64, 128 + 512 + 16), (128, 200), (8, 64)])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from .. import reference
 from ..registry import REGISTRY
 from .compressor import triton_next_pow2
 from .launch import load_triton_module, lowered_text
@@ -51,10 +52,11 @@ PDL = tl.constexpr({pdl})
 
 @triton.jit
 def _keys(x):
-    # +0.0 folds -0.0 (they compare equal); the key orders floats as unsigned integers.
+    # +0.0 folds -0.0 (they compare equal); every NaN takes the largest key (NaN sorts first, ties by index,
+    # as in torch); the key orders floats as unsigned integers.
     bits = (x + 0.0).to(tl.int32, bitcast=True)
     flip = (bits >> 31) | -2147483648
-    return (bits ^ flip).to(tl.uint32, bitcast=True)
+    return tl.where(x == x, bits ^ flip, -1).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -83,7 +85,8 @@ def _narrow(hist, prefix, known, left, shift: tl.constexpr):
 
 @triton.jit
 def _threshold(GMAX, row, n_groups):
-    # the k-th largest group maximum to 16 bits: two 8-bit radix rounds over the row's group maxima
+    # the k-th largest group maximum to 16 bits (32 when many share them): 8-bit radix rounds over the row's
+    # group maxima
     g = tl.arange(0, GROUPS)
     valid = g < n_groups
     keys = tl.load(GMAX + row * GROUPS + g, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
@@ -93,7 +96,16 @@ def _threshold(GMAX, row, n_groups):
     hist = tl.histogram((keys >> 24).to(tl.int32), 256, mask=valid)
     prefix, known, left = _narrow(hist, prefix, known, left, 24)
     hist = tl.histogram(((keys >> 16) & 255).to(tl.int32), 256, mask=valid & ((keys & known) == prefix))
-    return _narrow(hist, prefix, known, left, 16)[0]
+    prefix, known, left = _narrow(hist, prefix, known, left, 16)
+    bucket = valid & ((keys & known) == prefix)
+    if tl.sum(bucket.to(tl.int32), axis=0) >= 32:
+        # many maxima share those 16 bits (ties, rows padded with -inf): the exact k-th maximum, so that the
+        # keys equal to it go to the tie pass instead of all being gathered
+        hist = tl.histogram(((keys >> 8) & 255).to(tl.int32), 256, mask=bucket)
+        prefix, known, left = _narrow(hist, prefix, known, left, 8)
+        hist = tl.histogram((keys & 255).to(tl.int32), 256, mask=valid & ((keys & known) == prefix))
+        prefix, known, left = _narrow(hist, prefix, known, left, 0)
+    return prefix
 
 
 @triton.jit
@@ -103,7 +115,7 @@ def topk_group_max(X, GMAX, RMAX, STATE, THRESH, n, s_x, n_groups, n_runs):
     # (a ticket in STATE, zeroed by the caller) finds the threshold from all of them.
     if PDL:
         gdc_launch_dependents()
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * TILE_G + tl.arange(0, TILE_G)
     offs = tl.arange(0, GROUP)[:, None] * n_groups + groups[None, :]
     valid = (offs < n) & (groups < n_groups)[None, :]
@@ -132,7 +144,7 @@ def topk_collect(X, RMAX, HOT, THRESH, STATE, CAND, n, s_x, n_groups, n_runs):
     # SKIP_RUNS: RB runs per program, only those whose maximum exceeds t read, HB at a time (many rows:
     # bandwidth counts); else one BLOCK-wide tile per program (few rows: fewer dependent steps), loaded
     # before waiting for the group-maxima kernel (the row was written before that kernel started)
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     if not SKIP_RUNS:
         tile = tl.load(X + row * s_x + offs, mask=offs < n, other=0.0)
@@ -176,9 +188,12 @@ def _rank(TABLE, count, mine):
 
 
 @triton.jit
-def _emit(VALUES, IDS, row, s_v, s_i, mine, rank, keep):
+def _emit(X, VALUES, IDS, row, s_x, s_v, s_i, mine, rank, keep):
     idx = (4294967295 - (mine & 4294967295)).to(tl.int64)
     value = _value((mine >> 32).to(tl.uint32))
+    # the key lost the sign of a zero and a NaN's payload: those few values are read back from the row
+    reread = keep & ((value == 0.0) | (value != value))
+    value = tl.where(reread, tl.load(X + row * s_x + idx, mask=reread, other=0.0), value)
     if MASK_INVALID:
         idx = tl.where(value == float("-inf"), -1, idx)
     tl.store(VALUES + row * s_v + rank, value, mask=keep)
@@ -226,7 +241,7 @@ def _select_exactly(X, WIN, VALUES, IDS, row, n, s_x, s_v, s_i):
     for first in range(0, K, RANK):
         ids = first + tl.arange(0, RANK)
         mine = tl.load(WIN + ids, mask=ids < K, other=0).to(tl.uint64, bitcast=True)
-        _emit(VALUES, IDS, row, s_v, s_i, mine, _rank(WIN, K, mine), ids < K)
+        _emit(X, VALUES, IDS, row, s_x, s_v, s_i, mine, _rank(WIN, K, mine), ids < K)
 
 
 @triton.jit
@@ -254,7 +269,7 @@ def _emit_ties(X, VALUES, IDS, row, n, s_x, s_v, s_i, threshold, first):
 def topk_select(X, THRESH, STATE, CAND, VALUES, IDS, n, s_x, s_v, s_i):
     if PDL:
         gdc_wait()
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     total = tl.load(STATE + 2 * row)
     if total <= CAP:
         if (tl.program_id(1) == 0) & (total < K):
@@ -264,13 +279,14 @@ def topk_select(X, THRESH, STATE, CAND, VALUES, IDS, n, s_x, s_v, s_i):
             if (total <= SORT) & (tl.program_id(1) == 0):  # one sort of the candidates: their order is the output's
                 ids = tl.arange(0, SORT)
                 mine = tl.load(CAND + row * CAP + ids, mask=ids < total, other=0).to(tl.uint64, bitcast=True)
-                _emit(VALUES, IDS, row, s_v, s_i, tl.sort(mine, descending=True), ids, (ids < total) & (ids < K))
+                ordered = tl.sort(mine, descending=True)
+                _emit(X, VALUES, IDS, row, s_x, s_v, s_i, ordered, ids, (ids < total) & (ids < K))
         if total > SORT:
             for first in range(tl.program_id(1) * RANK, total, tl.num_programs(1) * RANK):
                 ids = first + tl.arange(0, RANK)
                 mine = tl.load(CAND + row * CAP + ids, mask=ids < total, other=0).to(tl.uint64, bitcast=True)
                 rank = _rank(CAND + row * CAP, total, mine)
-                _emit(VALUES, IDS, row, s_v, s_i, mine, rank, (ids < total) & (rank < K))
+                _emit(X, VALUES, IDS, row, s_x, s_v, s_i, mine, rank, (ids < total) & (rank < K))
     elif tl.program_id(1) == 0:
         _select_exactly(X, CAND + row * CAP, VALUES, IDS, row, n, s_x, s_v, s_i)
 '''
@@ -302,7 +318,8 @@ def launch_config(rows: int, n: int, k: int, cuda: bool) -> dict[str, int]:
             "collectors": triton.cdiv(n_runs, rb) if skip_runs else triton.cdiv(n, block),
             "CAP": max(4096, 4 * triton_next_pow2(k)),
             "RANK": (8 if rows < 16 else 64) if cuda else 256, "SPAN": 1024 if few else 256,
-            "SELECTORS": max(1, triton.cdiv(2 * k, (8 if rows < 16 else 64) if cuda else 256)), "PDL": int(cuda),
+            "SELECTORS": max(1, triton.cdiv(2 * k, (8 if rows < 16 else 64) if cuda else 256)),
+            "PDL": int(cuda and torch.cuda.get_device_capability()[0] >= 9),  # griddepcontrol: sm_90 on
             "SORT": triton_next_pow2(2 * k) if k <= 1024 and rows >= 16 and cuda else 0,
             "warps_max": 8 if cuda and rows < 16 else 4, "warps_collect": 4,
             "warps_select": 8 if cuda and rows >= 16 else 4}
@@ -311,18 +328,29 @@ def launch_config(rows: int, n: int, k: int, cuda: bool) -> dict[str, int]:
 _RUNTIME = ("collectors", "n_runs", "n_groups", "SELECTORS", "warps_max", "warps_collect", "warps_select")
 
 
+KEYED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Dtypes whose values fp32 keys order exactly; wider floats and integers are ranked by the reference."""
+
+MAX_GROUPS = 1 << 16
+"""Most group maxima one program counts for the threshold; rows needing more (k beyond ~16K, or beyond
+~16M candidates) are ranked by the reference."""
+
+
 def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
                config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton body of ``v4compile::radix_topk``: the k largest of the last dim, ordered like a stable
-    descending sort. ``config`` overrides the launch configuration (benchmark sweeps)."""
+    descending sort (NaN first). ``config`` overrides the launch configuration (benchmark sweeps)."""
     n = x.shape[-1]
     if not 0 < k <= n:
         raise ValueError(f"radix_topk needs 1 <= k <= {n} (the last dim), got k={k}")
-    name = kernel_name(k)
+    rows = x.reshape(-1, n)
     cuda = x.device.type == "cuda"
-    rows = x.reshape(-1, n).float().contiguous()
+    config = config or launch_config(rows.shape[0], n, k, cuda)
+    if x.dtype not in KEYED_DTYPES or config["GROUPS"] > MAX_GROUPS:
+        return reference.radix_topk(x, k, mask_invalid)
+    name = kernel_name(k)
+    rows = rows.float().contiguous()
     r = rows.shape[0]
-    config = config or launch_config(r, n, k, cuda)
     values = torch.empty(r, k, dtype=rows.dtype, device=x.device)
     ids = torch.empty(r, k, dtype=torch.long, device=x.device)
     if r:
