@@ -122,7 +122,7 @@ def topk_group_max(X, GMAX, RMAX, STATE, THRESH, n, s_x, n_groups, n_runs):
     key = tl.where(valid, _keys(tl.load(X + row * s_x + offs, mask=valid, other=0.0)), 0)
     tl.store(GMAX + row * GROUPS + groups, tl.max(key, axis=0).to(tl.int32, bitcast=True), mask=groups < n_groups)
     if SKIP_RUNS:  # each tile row is a run of TILE_G consecutive candidates; its maximum lets the collect skip it
-        runs = tl.arange(0, GROUP) * tl.num_programs(1) + tl.program_id(1)
+        runs = tl.program_id(1) * GROUP + tl.arange(0, GROUP)  # a program's run maxima side by side
         tl.store(RMAX + row * n_runs + runs, tl.max(key, axis=1).to(tl.int32, bitcast=True))
     tl.debug_barrier()
     ticket = tl.atomic_add(STATE + 2 * row + 1, 1, sem="acq_rel", scope="gpu")
@@ -164,8 +164,8 @@ def topk_collect(X, RMAX, HOT, THRESH, STATE, CAND, n, s_x, n_groups, n_runs):
             for first in range(0, n_hot, HB):
                 j = first + tl.arange(0, HB)
                 run = tl.load(listed + j, mask=j < n_hot, other=0)
-                g = (run % (n_runs // GROUP))[:, None] * TILE_G + tl.arange(0, TILE_G)[None, :]
-                at = (run // (n_runs // GROUP))[:, None] * n_groups + g
+                g = (run // GROUP)[:, None] * TILE_G + tl.arange(0, TILE_G)[None, :]
+                at = (run % GROUP)[:, None] * n_groups + g
                 valid = (j < n_hot)[:, None] & (g < n_groups) & (at < n)
                 key = _keys(tl.load(X + row * s_x + at, mask=valid, other=0.0))
                 cand = (valid & (key > threshold)).to(tl.int32)
@@ -302,8 +302,8 @@ def launch_config(rows: int, n: int, k: int, cuda: bool) -> dict[str, int]:
     of ~1.4k gathered candidates), 16+ groups per group-maxima program (64-byte runs; 128 once rows fill
     the GPU and bandwidth counts), how the collect reads (every tile for few rows on the GPU; else only
     runs above the threshold, RB per program, HB at a time), candidate room, and the ranking split: small
-    blocks over many programs for few rows, larger ones once rows fill the GPU (H200 sweeps; the iteration
-    notes in benchmarks/RESULTS.md)."""
+    blocks over many programs for few rows, larger ones once rows fill the GPU, and programmatic dependent
+    launch where the GPU has it (sm_90+); H200 sweeps, the iteration notes in benchmarks/RESULTS.md."""
     group = max(1, min(256, 1 << max(0, (n // (2 * k)).bit_length() - 1)))
     n_groups = triton.cdiv(n, group)
     groups = triton_next_pow2(n_groups)
@@ -319,7 +319,7 @@ def launch_config(rows: int, n: int, k: int, cuda: bool) -> dict[str, int]:
             "CAP": max(4096, 4 * triton_next_pow2(k)),
             "RANK": (8 if rows < 16 else 64) if cuda else 256, "SPAN": 1024 if few else 256,
             "SELECTORS": max(1, triton.cdiv(2 * k, (8 if rows < 16 else 64) if cuda else 256)),
-            "PDL": int(cuda and torch.cuda.get_device_capability()[0] >= 9),  # griddepcontrol: sm_90 on
+            "PDL": int(cuda and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
             "SORT": triton_next_pow2(2 * k) if k <= 1024 and rows >= 16 and cuda else 0,
             "warps_max": 8 if cuda and rows < 16 else 4, "warps_collect": 4,
             "warps_select": 8 if cuda and rows >= 16 else 4}
