@@ -84,6 +84,12 @@ def _narrow(hist, prefix, known, left, shift: tl.constexpr):
 
 
 @triton.jit
+def _digits(key, mask, prefix, known, shift: tl.constexpr):
+    # histogram of the 8-bit digit at ``shift`` among the keys matching ``prefix`` on the ``known`` bits
+    return tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=mask & ((key & known) == prefix))
+
+
+@triton.jit
 def _threshold(GMAX, row, n_groups):
     # the k-th largest group maximum to 16 bits (32 when many share them): 8-bit radix rounds over the row's
     # group maxima
@@ -93,18 +99,13 @@ def _threshold(GMAX, row, n_groups):
     prefix = tl.full([], 0, tl.uint32)
     known = tl.full([], 0, tl.uint32)
     left = K
-    hist = tl.histogram((keys >> 24).to(tl.int32), 256, mask=valid)
-    prefix, known, left = _narrow(hist, prefix, known, left, 24)
-    hist = tl.histogram(((keys >> 16) & 255).to(tl.int32), 256, mask=valid & ((keys & known) == prefix))
-    prefix, known, left = _narrow(hist, prefix, known, left, 16)
-    bucket = valid & ((keys & known) == prefix)
-    if tl.sum(bucket.to(tl.int32), axis=0) >= 32:
+    prefix, known, left = _narrow(_digits(keys, valid, prefix, known, 24), prefix, known, left, 24)
+    prefix, known, left = _narrow(_digits(keys, valid, prefix, known, 16), prefix, known, left, 16)
+    if tl.sum((valid & ((keys & known) == prefix)).to(tl.int32), axis=0) >= 32:
         # many maxima share those 16 bits (ties, rows padded with -inf): the exact k-th maximum, so that the
         # keys equal to it go to the tie pass instead of all being gathered
-        hist = tl.histogram(((keys >> 8) & 255).to(tl.int32), 256, mask=bucket)
-        prefix, known, left = _narrow(hist, prefix, known, left, 8)
-        hist = tl.histogram((keys & 255).to(tl.int32), 256, mask=valid & ((keys & known) == prefix))
-        prefix, known, left = _narrow(hist, prefix, known, left, 0)
+        prefix, known, left = _narrow(_digits(keys, valid, prefix, known, 8), prefix, known, left, 8)
+        prefix, known, left = _narrow(_digits(keys, valid, prefix, known, 0), prefix, known, left, 0)
     return prefix
 
 
@@ -208,7 +209,7 @@ def _radix_round(X, row, n, s_x, prefix, known, left, shift: tl.constexpr):
         offs = start + tl.arange(0, BLOCK)
         valid = offs < n
         key = _keys(tl.load(X + row * s_x + offs, mask=valid, other=0.0))
-        hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=valid & ((key & known) == prefix))
+        hist += _digits(key, valid, prefix, known, shift)
     return _narrow(hist, prefix, known, left, shift)
 
 
@@ -303,26 +304,30 @@ def launch_config(rows: int, n: int, k: int, cuda: bool) -> dict[str, int]:
     the GPU and bandwidth counts), how the collect reads (every tile for few rows on the GPU; else only
     runs above the threshold, RB per program, HB at a time), candidate room, and the ranking split: small
     blocks over many programs for few rows, larger ones once rows fill the GPU, and programmatic dependent
-    launch where the GPU has it (sm_90+); H200 sweeps, the iteration notes in benchmarks/RESULTS.md."""
+    launch where the GPU has it (sm_90+); H200 sweeps, the iteration notes in benchmarks/RESULTS.md.
+    Grid sizes follow from these (``_derived``), so overriding any of them keeps the launch consistent."""
     group = max(1, min(256, 1 << max(0, (n // (2 * k)).bit_length() - 1)))
-    n_groups = triton.cdiv(n, group)
-    groups = triton_next_pow2(n_groups)
-    tile_g = min(groups, max(16 if rows < 16 else 32, 4096 // group))
-    n_runs = group * triton.cdiv(n_groups, tile_g)
     few = rows < 16 or not cuda
-    block = min((512 if rows < 16 else 1024) if cuda else 256, triton_next_pow2(max(n, 16)))
-    skip_runs = int(not (cuda and rows < 16))
-    rb = 64 if few else 256
-    return {"BLOCK": block, "GROUP": group, "TILE_G": tile_g, "n_groups": n_groups, "GROUPS": groups,
-            "n_runs": n_runs, "SKIP_RUNS": skip_runs, "RB": rb, "HB": 8 if few else 16,
-            "collectors": triton.cdiv(n_runs, rb) if skip_runs else triton.cdiv(n, block),
-            "CAP": max(4096, 4 * triton_next_pow2(k)),
-            "RANK": (8 if rows < 16 else 64) if cuda else 256, "SPAN": 1024 if few else 256,
-            "SELECTORS": max(1, triton.cdiv(2 * k, (8 if rows < 16 else 64) if cuda else 256)),
+    return {"BLOCK": min((512 if rows < 16 else 1024) if cuda else 256, triton_next_pow2(max(n, 16))),
+            "GROUP": group,
+            "TILE_G": min(triton_next_pow2(triton.cdiv(n, group)), max(16 if rows < 16 else 32, 4096 // group)),
+            "SKIP_RUNS": int(not (cuda and rows < 16)), "RB": 64 if few else 256, "HB": 8 if few else 16,
+            "CAP": max(4096, 4 * triton_next_pow2(k)), "RANK": (8 if rows < 16 else 64) if cuda else 256,
+            "SPAN": 1024 if few else 256,
             "PDL": int(cuda and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
             "SORT": triton_next_pow2(2 * k) if k <= 1024 and rows >= 16 and cuda else 0,
             "warps_max": 8 if cuda and rows < 16 else 4, "warps_collect": 4,
             "warps_select": 8 if cuda and rows >= 16 else 4}
+
+
+def _derived(config: dict[str, int], n: int, k: int) -> dict[str, int]:
+    """The sizes a configuration implies for rows of ``n``: group maxima (and their power-of-two table),
+    runs, collecting programs and ranking programs per row."""
+    n_groups = triton.cdiv(n, config["GROUP"])
+    n_runs = config["GROUP"] * triton.cdiv(n_groups, config["TILE_G"])
+    collectors = triton.cdiv(n_runs, config["RB"]) if config["SKIP_RUNS"] else triton.cdiv(n, config["BLOCK"])
+    return {"n_groups": n_groups, "GROUPS": triton_next_pow2(n_groups), "n_runs": n_runs,
+            "collectors": collectors, "SELECTORS": max(1, triton.cdiv(2 * k, config["RANK"]))}
 
 
 _RUNTIME = ("collectors", "n_runs", "n_groups", "SELECTORS", "warps_max", "warps_collect", "warps_select")
@@ -346,6 +351,7 @@ def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
     rows = x.reshape(-1, n)
     cuda = x.device.type == "cuda"
     config = config or launch_config(rows.shape[0], n, k, cuda)
+    config = {**config, **_derived(config, n, k)}
     if x.dtype not in KEYED_DTYPES or config["GROUPS"] > MAX_GROUPS:
         return reference.radix_topk(x, k, mask_invalid)
     name = kernel_name(k)
