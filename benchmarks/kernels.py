@@ -224,11 +224,19 @@ def sparse_attention_row(ceil: dict[str, float], quick: bool, batch: int, heads:
         return reference.sparse_attention(q, kv, sink, index, scale)
 
     host_us = bench(ours, quick)
+    tilelang = ""
+    if importlib.util.find_spec("tilelang") is not None:
+        def tilelang_call() -> torch.Tensor:
+            return ops.sparse_attention(q, kv, sink, index, scale, "tilelang")
+
+        _check(tilelang_call(), want, "TileLang sparse attention", tol=1e-2)
+        _ran(f"sparse_attention.d{dim}.bf16dot.tilelang")
+        tilelang = f"; TileLang kernel {bench(graphed(tilelang_call), quick):.1f} us"
     return Row("sparse MQA attention with sink (decode, CUDA graph)",
                f"batch {batch}, {heads} heads, {selected} entries", bench(graphed(ours), quick),
                bench(graphed(eager), quick), bench(graphed(lambda: compiled(q, kv, sink, index, scale)), quick),
                1e6 * moved / ceil["copy_bytes_per_s"], moved, note=f"{_config('sparse_attention.d')}; "
-                                                                  f"host call {host_us:.1f} us")
+                                                                  f"host call {host_us:.1f} us{tilelang}")
 
 
 def head_padding_row(ceil: dict[str, float], quick: bool, batch: int, heads: int = 8, multiple: int = 64,

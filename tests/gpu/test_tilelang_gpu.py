@@ -1,6 +1,8 @@
-"""TileLang compressor pooling against its reference on the GPU (the ``cuda`` target), at the model's shapes."""
+"""TileLang kernels against their references on the GPU (the ``cuda`` target), at the model's shapes."""
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
@@ -73,3 +75,23 @@ def test_mhc_pre_and_post_cuda(dtype: torch.dtype, lead: tuple[int, ...]) -> Non
     for step in ("mhc_pre", "mhc_post"):
         record = REGISTRY.records[f"{step}.n{n}.d{dim}.tilelang"]
         assert record.error is None and record.launch["target"] == "cuda" and "__global__" in record.lowered
+
+
+@pytest.mark.parametrize("rounded_p", [False, True])
+@pytest.mark.parametrize(("batch", "heads", "k", "entries"), [(2, 64, 768, 4096), (1, 128, 200, 1000),
+                                                             (3, 8, 130, 500), (128, 64, 768, 8192)])
+def test_sparse_attention_cuda(batch: int, heads: int, k: int, entries: int, rounded_p: bool) -> None:
+    attention = importlib.import_module("v4compile.codegen.tilelang.sparse_attention")
+    q = torch.randn(batch, 1, heads, 512, device="cuda").bfloat16()
+    kv = torch.randn(batch, entries, 512, device="cuda").bfloat16()
+    sink = torch.randn(heads, device="cuda")
+    index = torch.randint(-1, entries, (batch, 1, k), device="cuda")
+    index[0, 0, :5] = entries + 3  # beyond the entries: masked like -1
+    want = reference.sparse_attention(q.double(), kv.double(), sink.double(), torch.where(index < entries, index, -1),
+                                      512**-0.5)
+    got = attention.sparse_attention(q, kv, sink, index, 512**-0.5, rounded_p=rounded_p)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2e-3 if rounded_p else 1e-4)
+    record = REGISTRY.records[attention.kernel_name(512, rounded_p)]
+    assert record.error is None and "cp_async" in (record.lowered or "")
+    if not rounded_p:
+        assert torch.equal(ops.sparse_attention(q, kv, sink, index, 512**-0.5, "tilelang"), got)

@@ -14,13 +14,16 @@ from .registry import with_fallback
 KERNEL_BACKENDS = ("triton", "tilelang", "reference")
 
 
-def implementation_backend(op: str, backend: str) -> str:
-    """The backend whose kernel actually runs ``op`` for the requested ``backend``: TileLang ops that do not
-    exist yet run their Triton kernel (and are named so in reports and the kernel registry)."""
+def implementation_backend(op: str, backend: str, device: torch.device | str | None = None) -> str:
+    """The backend whose kernel actually runs ``op`` on ``device`` (None: a CUDA device) for the requested
+    ``backend``: TileLang ops that do not exist yet, or need the tensor cores off CUDA, run their Triton kernel
+    (and are named so in reports and the kernel registry)."""
     if backend == "tilelang":
+        from .tilelang import CUDA_ONLY
         from .tilelang import IMPLEMENTATIONS as tilelang_impls
 
-        return "tilelang" if op in tilelang_impls else "triton"
+        off_cuda = device is not None and torch.device(device).type != "cuda"
+        return "tilelang" if op in tilelang_impls and not (off_cuda and op in CUDA_ONLY) else "triton"
     return backend
 
 

@@ -85,6 +85,7 @@ class KernelRegistry:
             except Exception as exc:  # any build failure becomes a reported fallback
                 record.error = self._failed[key] = f"{type(exc).__name__}: {exc}"
                 raise KernelBuildError(f"kernel {name} failed to build: {record.error}") from exc
+            record.error = None  # an earlier failure belonged to another specialisation of this name
             self._kernels[key] = kernel
             return kernel
 

@@ -48,12 +48,17 @@ SPAN = tl.constexpr({span})
 SORT = tl.constexpr({sort})
 MASK_INVALID = tl.constexpr({mask_invalid})
 PDL = tl.constexpr({pdl})
+GPU_NAN = tl.constexpr({gpu_nan})
 
 
 @triton.jit
 def _keys(x):
     # +0.0 folds -0.0 (they compare equal); every NaN takes the largest key (NaN sorts first, ties by index,
-    # as in torch); the key orders floats as unsigned integers.
+    # as in torch): on the GPU max.NaN returns the canonical (positive) NaN, one instruction per key; the
+    # interpreter keeps a NaN's sign there, so it selects; the key orders floats as unsigned integers.
+    if GPU_NAN:
+        bits = tl.maximum(x + 0.0, float("-inf"), propagate_nan=tl.PropagateNan.ALL).to(tl.int32, bitcast=True)
+        return (bits ^ ((bits >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
     bits = (x + 0.0).to(tl.int32, bitcast=True)
     flip = (bits >> 31) | -2147483648
     return tl.where(x == x, bits ^ flip, -1).to(tl.uint32, bitcast=True)
@@ -101,11 +106,17 @@ def _threshold(GMAX, row, n_groups):
     left = K
     prefix, known, left = _narrow(_digits(keys, valid, prefix, known, 24), prefix, known, left, 24)
     prefix, known, left = _narrow(_digits(keys, valid, prefix, known, 16), prefix, known, left, 16)
-    if tl.sum((valid & ((keys & known) == prefix)).to(tl.int32), axis=0) >= 32:
+    sharing = valid & ((keys & known) == prefix)
+    if tl.sum(sharing.to(tl.int32), axis=0) >= 32:
         # many maxima share those 16 bits (ties, rows padded with -inf): the exact k-th maximum, so that the
-        # keys equal to it go to the tie pass instead of all being gathered
-        prefix, known, left = _narrow(_digits(keys, valid, prefix, known, 8), prefix, known, left, 8)
-        prefix, known, left = _narrow(_digits(keys, valid, prefix, known, 0), prefix, known, left, 0)
+        # keys equal to it go to the tie pass instead of all being gathered; when they are all equal
+        # (bf16-valued scores, padding) that is their common key, without two more rounds
+        low = tl.min(tl.where(sharing, keys, 4294967295), axis=0)
+        if low == tl.max(tl.where(sharing, keys, 0), axis=0):
+            prefix = low
+        else:
+            prefix, known, left = _narrow(_digits(keys, valid, prefix, known, 8), prefix, known, left, 8)
+            prefix, known, left = _narrow(_digits(keys, valid, prefix, known, 0), prefix, known, left, 0)
     return prefix
 
 
@@ -363,7 +374,7 @@ def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
         constants = {key.lower(): v for key, v in config.items() if key not in _RUNTIME}
         module = REGISTRY.build(
             name, "triton", "v4compile::radix_topk",
-            lambda: _SOURCE.format(k=k, mask_invalid=mask_invalid, **constants),
+            lambda: _SOURCE.format(k=k, mask_invalid=mask_invalid, gpu_nan=cuda, **constants),
             lambda path: load_triton_module(path, not cuda), key=(tuple(sorted(constants.items())), mask_invalid, cuda))
         gmax = torch.empty(r, config["GROUPS"], dtype=torch.int32, device=x.device)
         thresh = torch.empty(r, dtype=torch.int32, device=x.device)
