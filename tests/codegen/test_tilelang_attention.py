@@ -25,8 +25,11 @@ def test_cpu_runs_the_triton_kernel_and_reports_it() -> None:
     got = ops.sparse_attention(q, kv, sink, index, 0.125, "tilelang")
     torch.testing.assert_close(got.float(), reference.sparse_attention(q, kv, sink, index, 0.125).float(),
                                rtol=2**-7, atol=1e-4)
-    assert ops.implementation_backend("sparse_attention", "tilelang", torch.device("cpu")) == "triton"
-    assert ops.implementation_backend("sparse_attention", "tilelang", "cuda") == "tilelang"
+    assert ops.implementation_backend("sparse_attention", "tilelang", q) == "triton"
+    on_meta = torch.empty(2, 1, 8, 64, dtype=torch.bfloat16, device="meta")
+    assert not tilelang_attention.takes(on_meta)  # the meta device is not CUDA either
+    assert ops.implementation_backend("sparse_attention", "tilelang") == "tilelang"
+    assert ops.implementation_backend("radix_topk", "tilelang", q) == "triton"
     assert not tilelang_attention.runs_here(q, kv)
 
 
@@ -39,7 +42,7 @@ def test_launch_config_fills_the_gpu_with_splits() -> None:
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs a CUDA compiler to build for sm_90a")
 def test_hopper_source_gathers_asynchronously_into_wgmma(tmp_path) -> None:
-    config = tilelang_attention.launch_config(128, 64, 768)
+    config = tilelang_attention.launch_config(16, 64, 768)  # 8 splits: the combine kernel too
     path = tmp_path / "attention.py"
     path.write_text(tilelang_attention._SOURCE.format(dim=512, block_h=64, rounded_p=False, **config))
     attend, combine = load_module(path).build({"kind": "cuda", "arch": "sm_90a"})

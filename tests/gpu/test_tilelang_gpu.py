@@ -95,3 +95,20 @@ def test_sparse_attention_cuda(batch: int, heads: int, k: int, entries: int, rou
     assert record.error is None and "cp_async" in (record.lowered or "")
     if not rounded_p:
         assert torch.equal(ops.sparse_attention(q, kv, sink, index, 512**-0.5, "tilelang"), got)
+
+
+def test_sparse_attention_prefill_masked_rows_and_wide_ids_cuda() -> None:
+    attention = importlib.import_module("v4compile.codegen.tilelang.sparse_attention")
+    q = torch.randn(2, 3, 64, 512, device="cuda").bfloat16()
+    kv = torch.randn(2, 300, 512, device="cuda").bfloat16()
+    sink = torch.randn(64, device="cuda")
+    index = torch.randint(0, 300, (2, 3, 140), device="cuda")
+    index[0, 1] = -1  # a query with no entry: the sink alone, output 0
+    index[1, 2, :4] = torch.tensor([-(2**32), 2**32 + 5, 2**31 + 7, 300], device="cuda")  # all out of range
+    want = reference.sparse_attention(q.double(), kv.double(), sink.double(),
+                                      torch.where((index >= 0) & (index < 300), index, -1), 512**-0.5)
+    for splits in (1, 3):
+        config = dict(attention.launch_config(6, 64, 140), splits=splits)
+        got = attention.sparse_attention(q, kv, sink, index, 512**-0.5, config=config)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-4)
+        assert torch.equal(got[0, 1], torch.zeros_like(got[0, 1]))

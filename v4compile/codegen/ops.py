@@ -14,16 +14,18 @@ from .registry import with_fallback
 KERNEL_BACKENDS = ("triton", "tilelang", "reference")
 
 
-def implementation_backend(op: str, backend: str, device: torch.device | str | None = None) -> str:
-    """The backend whose kernel actually runs ``op`` on ``device`` (None: a CUDA device) for the requested
-    ``backend``: TileLang ops that do not exist yet, or need the tensor cores off CUDA, run their Triton kernel
-    (and are named so in reports and the kernel registry)."""
+def implementation_backend(op: str, backend: str, example: torch.Tensor | None = None) -> str:
+    """The backend whose kernel actually runs ``op`` for the requested ``backend``, given an example of its first
+    tensor input (a graph node's fake value; None: one the kernel takes): TileLang ops that do not exist yet, or
+    whose kernel does not take the input (off CUDA, another dtype), run their Triton kernel (and are named so in
+    reports and the kernel registry)."""
     if backend == "tilelang":
-        from .tilelang import CUDA_ONLY
+        from .tilelang import ACCEPTS
         from .tilelang import IMPLEMENTATIONS as tilelang_impls
 
-        off_cuda = device is not None and torch.device(device).type != "cuda"
-        return "tilelang" if op in tilelang_impls and not (off_cuda and op in CUDA_ONLY) else "triton"
+        if op not in tilelang_impls or (example is not None and op in ACCEPTS and not ACCEPTS[op](example)):
+            return "triton"
+        return "tilelang"
     return backend
 
 

@@ -55,8 +55,7 @@ class HeadPadding(GraphPass):
         if heads % multiple == 0:
             raise NoMatch(f"{heads} heads are already a multiple of {multiple} ({source})")
         padded = heads + (-heads % multiple)
-        val = q.meta.get("val")
-        impl = ops.implementation_backend("sparse_attention", backend, val.device if val is not None else None)
+        impl = ops.implementation_backend("sparse_attention", backend, q.meta.get("val"))
         return Rewrite(node, ops.sparse_attention_padded, (q, kv, sink, index, scale, multiple, backend),
                        f"sparse_attention.d{dims[-1]}.padded{multiple}.{impl}",
                        {"heads": heads, "padded_heads": padded, "multiple": multiple, "from": source,

@@ -103,8 +103,7 @@ class SparseAttention(GraphPass):
             raise NoMatch("q is not [B,S,H,d] or the index width differs from the kept probabilities")
         _kernel_dim_ok(dims[-1], "attention")
         sink_node = _single_value(node)
-        val = q.meta.get("val")
-        impl = ops.implementation_backend("sparse_attention", ctx.backend, val.device if val is not None else None)
+        impl = ops.implementation_backend("sparse_attention", ctx.backend, q.meta.get("val"))
         return Rewrite(sink_node, ops.sparse_attention, (q, kv, sink, index, scale, ctx.backend),
                        f"sparse_attention.d{dims[-1]}.{impl}",
                        {"form": "attention", "heads": dims[2], "dim": dims[-1], "entries": k, "queries": dims[1]})

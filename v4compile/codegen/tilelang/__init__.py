@@ -7,12 +7,13 @@ from typing import Any
 
 from .compressor import compressor_pool, compressor_pool_state
 from .mhc import mhc_post, mhc_pre
-from .sparse_attention import sparse_attention
+from .sparse_attention import sparse_attention, takes
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"compressor_pool": compressor_pool,
                                                   "compressor_pool_state": compressor_pool_state,
                                                   "mhc_pre": mhc_pre, "mhc_post": mhc_post,
                                                   "sparse_attention": sparse_attention}
 
-CUDA_ONLY = frozenset({"sparse_attention"})
-"""Ops whose TileLang kernel needs the tensor cores: on other devices their body runs the Triton kernel."""
+ACCEPTS: dict[str, Callable[[Any], bool]] = {"sparse_attention": takes}
+"""Ops whose TileLang kernel takes only some inputs (the tensor cores of a CUDA device, bf16), by a predicate
+on the first tensor input; for the others their body runs the Triton kernel."""

@@ -24,9 +24,9 @@ def compute_dtypes(dtype: torch.dtype, device: torch.device) -> tuple[str, torch
 
 
 def load_kernels(path: Path, target: str, name: str) -> Any:
-    """Compiles the generated source at ``path`` for ``target`` (its ``build`` returns one kernel or a tuple)
-    and records TileLang's generated C/CUDA under ``name``."""
+    """Compiles the generated source at ``path`` for ``target`` (its ``build`` returns one kernel or a tuple, with
+    None for a kernel a configuration does not need) and records TileLang's generated C/CUDA under ``name``."""
     built = load_module(path).build(target)
     kernels = built if isinstance(built, tuple) else (built,)
-    REGISTRY.set_lowered(name, "\n".join(k.get_kernel_source() for k in kernels))
+    REGISTRY.set_lowered(name, "\n".join(k.get_kernel_source() for k in kernels if k is not None))
     return built

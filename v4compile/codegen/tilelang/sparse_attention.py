@@ -39,12 +39,14 @@ LOG2E = 1.4426950408889634
 def build(target):
     batch, seqlen, heads = T.dynamic("batch"), T.dynamic("seqlen"), T.dynamic("heads")
     entries, k_total = T.dynamic("entries"), T.dynamic("k_total")
+    # the partial softmax states of the splits (a placeholder without splits)
+    part_shape = (batch, seqlen, heads, SPLITS, DIM + 2) if SPLITS > 1 else (1,)
 
     @T.prim_func
     def attend(q: T.Tensor((batch, seqlen, heads, DIM), "bfloat16"), kv: T.Tensor((batch, entries, DIM), "bfloat16"),
                index: T.Tensor((batch, seqlen, k_total), "int32"), sink: T.Tensor((heads,), "float32"),
                scale: T.float32, out: T.Tensor((batch, seqlen, heads, DIM), "bfloat16"),
-               part: T.Tensor((batch, seqlen, heads, SPLITS, DIM + 2), "float32")):
+               part: T.Tensor(part_shape, "float32")):
         # block (s, b, hs): query s of row b, head block hs // SPLITS, entry blocks of split hs % SPLITS
         with T.Kernel(seqlen, batch, T.ceildiv(heads, BLOCK_H) * SPLITS, threads=THREADS) as (s, b, hs):
             q_s = T.alloc_shared((BLOCK_H, DIM), "bfloat16")
@@ -130,7 +132,7 @@ def build(target):
     configs = {{tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
                tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}}
     return (tilelang.compile(attend, target=target, pass_configs=configs),
-            tilelang.compile(combine, target=target, pass_configs=configs))
+            tilelang.compile(combine, target=target, pass_configs=configs) if SPLITS > 1 else None)
 '''
 
 
@@ -139,12 +141,16 @@ def kernel_name(dim: int, rounded_p: bool = False) -> str:
     return f"sparse_attention.d{dim}.bf16dot{'.roundedp' if rounded_p else ''}.tilelang"
 
 
-def runs_here(q: torch.Tensor, kv: torch.Tensor) -> bool:
-    """Whether the TileLang kernel takes these inputs: bf16 on a CUDA device, head dim 64..512, a power of
+def takes(q: torch.Tensor) -> bool:
+    """Whether the TileLang kernel takes these queries: bf16 on a CUDA device, head dim 64..512, a power of
     two (the shared-memory budget holds 64 queries and two entry blocks of it)."""
     dim = q.shape[-1]
-    return (q.device.type == "cuda" and q.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16
-            and 64 <= dim <= 512 and dim & (dim - 1) == 0)
+    return q.device.type == "cuda" and q.dtype == torch.bfloat16 and 64 <= dim <= 512 and dim & (dim - 1) == 0
+
+
+def runs_here(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Whether the TileLang kernel runs for these queries and entries (bf16 entries too)."""
+    return takes(q) and kv.dtype == torch.bfloat16
 
 
 def launch_config(rows: int, heads: int, k_total: int) -> dict[str, int]:
@@ -170,6 +176,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, inde
         padded = sparse_attention(torch.nn.functional.pad(q, (0, 0, 0, extra)), kv,
                                   torch.nn.functional.pad(sink, (0, extra)), index, scale, config, rounded_p)
         return padded[:, :, :heads].contiguous()
+    out = torch.empty_like(q)
+    if not out.numel():
+        return out
     config = config or launch_config(bsz * seqlen, heads, index.shape[-1])
     name = kernel_name(dim, rounded_p)
     attend, combine = REGISTRY.build(
@@ -177,23 +186,23 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, inde
         lambda: _SOURCE.format(dim=dim, block_h=BLOCK_H, rounded_p=rounded_p, **config),
         lambda path: load_kernels(path, "cuda", name), key=tuple(sorted(config.items())))
     q, kv = q.contiguous(), kv.contiguous()
-    # int32 ids padded with -1 to whole entry blocks, so that every block reads ids of its own query
+    # int32 ids (out-of-range ids -1 first, so that none wraps into range) padded with -1 to whole entry
+    # blocks, so that every block reads ids of its own query
     k_total = index.shape[-1]
     padded_index = torch.full((bsz, seqlen, -(-k_total // config["block_k"]) * config["block_k"]), -1,
                               dtype=torch.int32, device=q.device)
-    padded_index[..., :k_total] = index
-    out = torch.empty_like(q)
+    padded_index[..., :k_total] = torch.where((index >= 0) & (index < kv.shape[1]), index, -1)
     splits = config["splits"]
-    part = torch.empty(bsz, seqlen, heads, splits, dim + 2, dtype=torch.float32, device=q.device)
+    part_shape = (bsz, seqlen, heads, splits, dim + 2) if splits > 1 else (1,)
+    part = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     sink = sink.float().contiguous()
-    if out.numel():
-        def run() -> None:
-            attend(q, kv, padded_index, sink, float(scale), out, part)
-            if splits > 1:
-                combine(sink, out, part)
 
-        REGISTRY.launch(name, run)
-        REGISTRY.note_launch(name, grid=(seqlen, bsz, -(-heads // BLOCK_H) * splits), entries=k_total,
-                             **config)
+    def run() -> None:
+        attend(q, kv, padded_index, sink, float(scale), out, part)
+        if combine is not None:
+            combine(sink, out, part)
+
+    REGISTRY.launch(name, run)
+    REGISTRY.note_launch(name, grid=(seqlen, bsz, -(-heads // BLOCK_H) * splits), entries=k_total, **config)
     return out
 
