@@ -190,6 +190,29 @@ def test_kernel_that_fails_to_build_falls_back_with_a_warning(monkeypatch: pytes
     assert REGISTRY.records["compressor_pool_state.c4.w12.triton"].error is not None
 
 
+def test_a_launch_config_that_fails_falls_back_for_that_call_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from v4compile.codegen.triton import sparse_attention as attention
+
+    torch.manual_seed(3)
+    q, kv = torch.randn(1, 1, 16, 32), torch.randn(1, 20, 32)
+    sink, index = torch.randn(16), torch.randint(-1, 20, (1, 1, 12))
+    want = reference.sparse_attention(q, kv, sink, index, 0.2)
+    torch.testing.assert_close(ops.sparse_attention(q, kv, sink, index, 0.2, "triton"), want)
+    name = attention.kernel_name(32, False)
+    config = attention.launch_config(1, 16, 12, False)
+    monkeypatch.setattr(attention, "launch_config", lambda *args: {**config, "BLOCK_H": 12})  # not a power of 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = ops.sparse_attention(q, kv, sink, index, 0.2, "triton")
+    assert torch.equal(got, want)
+    assert any(name in str(w.message) and "reference" in str(w.message) for w in caught)
+    assert REGISTRY.records[name].error is None  # the kernel still serves the configurations that work
+    monkeypatch.undo()
+    launches = REGISTRY.records[name].launches
+    torch.testing.assert_close(ops.sparse_attention(q, kv, sink, index, 0.2, "triton"), want)
+    assert REGISTRY.records[name].launches == launches + 1
+
+
 def test_registry_records_source_launch_and_disk_cache() -> None:
     torch.manual_seed(2)
     ops.compressor_pool(torch.randn(1, 8, 32), torch.randn(1, 8, 32), torch.randn(4, 32), 4, 16, 2, "triton")

@@ -90,15 +90,19 @@ class KernelRegistry:
             return kernel
 
     def launch(self, name: str, run: Callable[[], Any]) -> Any:
-        """Runs a kernel launch; a kernel whose first launch fails is marked failed (it then falls back)."""
+        """Runs a kernel launch; a kernel whose first launch fails is marked failed (it then falls back). A later
+        launch that fails (a launch configuration or shape compiled for the first time) falls back for that call
+        only: the kernel keeps serving the launches that work."""
         record = self.records.get(name)
         if record is not None and record.error:
             raise KernelBuildError(f"kernel {name} failed: {record.error}")
-        if record is None or record.launches:
+        if record is None:
             return run()
         try:
             return run()
         except Exception as exc:  # first launch compiles (GPU) or first interprets (CPU): a build failure
+            if record.launches:
+                raise KernelBuildError(f"kernel {name} failed on this launch: {type(exc).__name__}: {exc}") from exc
             record.error = f"{type(exc).__name__}: {exc}"
             for key in [k for k in self._kernels if k.startswith(f"{name}:")]:
                 self._failed[key] = record.error
