@@ -153,12 +153,13 @@ def runs_here(q: torch.Tensor, kv: torch.Tensor) -> bool:
     return takes(q) and kv.dtype == torch.bfloat16
 
 
-def launch_config(rows: int, heads: int, k_total: int) -> dict[str, int]:
+def launch_config(rows: int, heads: int, k_total: int, sms: int = 132) -> dict[str, int]:
     """64 entries a step through two stages with 256 threads (more stages do not build with a loop count
-    known only at run time); the entries split over blocks until about one block per SM (132 on the H200)."""
+    known only at run time); the entries split over blocks until about one block per SM (``sms``, 132 on the
+    H200)."""
     blocks = rows * -(-heads // BLOCK_H)
     steps = -(-k_total // 64)
-    splits = max(1, min(132 // max(1, blocks), steps, 16))
+    splits = max(1, min(sms // max(1, blocks), steps, 16))
     return {"block_k": 64, "stages": 2, "threads": 256, "splits": splits}
 
 
@@ -179,7 +180,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, inde
     out = torch.empty_like(q)
     if not out.numel():
         return out
-    config = config or launch_config(bsz * seqlen, heads, index.shape[-1])
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    config = config or launch_config(bsz * seqlen, heads, index.shape[-1], sms)
     name = kernel_name(dim, rounded_p)
     attend, combine = REGISTRY.build(
         name, "tilelang", "v4compile::sparse_attention",
