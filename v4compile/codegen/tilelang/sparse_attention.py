@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import with_padded_heads
 from ..registry import REGISTRY
 from ..triton import sparse_attention as triton_attention
 from .common import load_kernels
@@ -173,10 +174,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, inde
         return triton_attention.sparse_attention(q, kv, sink, index, scale, rounded_p=rounded_p)
     bsz, seqlen, heads, dim = q.shape
     if heads % BLOCK_H:  # zero queries (and sinks) up to the tile; heads are independent
-        extra = BLOCK_H - heads % BLOCK_H
-        padded = sparse_attention(torch.nn.functional.pad(q, (0, 0, 0, extra)), kv,
-                                  torch.nn.functional.pad(sink, (0, extra)), index, scale, config, rounded_p)
-        return padded[:, :, :heads].contiguous()
+        return with_padded_heads(lambda padded_q, padded_sink: sparse_attention(
+            padded_q, kv, padded_sink, index, scale, config, rounded_p), q, sink, BLOCK_H)
     out = torch.empty_like(q)
     if not out.numel():
         return out
