@@ -165,6 +165,87 @@ def compressor_decode_row(ceil: dict[str, float], quick: bool, batch: int, ratio
                note=f"in a 20-call graph {in_graph_us(ours, quick):.1f} us/call; host call {host_us:.1f} us")
 
 
+def _entry_inputs(ratio: int, width: int, rotate: bool, rows: int, positions: torch.Tensor) -> tuple:
+    """Finish inputs like the model's: cos/sin of the entries' first tokens (C4 layers' YaRN RoPE), an fp32 norm
+    weight, the model's epsilon; the indexer branch rotates, the main branch has power-of-two FP8 scales."""
+    from v4compile.model.rope import rope_cos_sin, rope_frequencies
+
+    cos, sin = rope_cos_sin(rope_frequencies(64, 1.6e5, 65536, 16, 32, 1).cuda(), positions)
+    return cos, sin, torch.rand(width, device="cuda") + 0.5, 1e-6, rotate, True
+
+
+def compressor_entries_row(ceil: dict[str, float], quick: bool, ratio: int, width: int, rotate: bool,
+                           tokens: int = 65536) -> Row:
+    """Prefill pooling with the entry's finish (norm, RoPE, FP8 or Hadamard + FP4) fused, against the model's
+    pooling + finish; the note gives the pooling kernel followed by the compiled finish (what fusing saves)."""
+    from v4compile.model.compressor import finish_entries
+
+    c = 2 if ratio == 4 else 1
+    kv = torch.randn(1, tokens, c * width, device="cuda")
+    score = torch.randn(1, tokens, c * width, device="cuda")
+    ape = torch.randn(ratio, c * width, device="cuda")
+    n = tokens // ratio
+    finish = _entry_inputs(ratio, width, rotate, n, torch.arange(n, device="cuda") * ratio)
+    ref = reference.compressor_entries
+    _check(ops.compressor_entries(kv, score, ape, ratio, width, n, *finish, "triton"),
+           ref(kv, score, ape, ratio, width, n, *finish), f"compressor entries C{ratio}", tol=1e-2)
+    form = "hadamard_fp4" if rotate else "fp8"
+    _ran(f"compressor_entries.c{ratio}.w{width}.{form}.triton")
+    compiled, compiled_finish = _compiled(ref), _compiled(finish_entries)
+    compiled(kv, score, ape, ratio, width, n, *finish)
+    moved = kv.nbytes + score.nbytes + ape.nbytes + n * width * 2
+
+    def ours() -> torch.Tensor:
+        return ops.compressor_entries(kv, score, ape, ratio, width, n, *finish, "triton")
+
+    def unfused() -> torch.Tensor:
+        return compiled_finish(ops.compressor_pool(kv, score, ape, ratio, width, n, "triton"), *finish)
+
+    unfused()
+    from v4compile.codegen.registry import REGISTRY
+
+    launch = REGISTRY.records[f"compressor_entries.c{ratio}.w{width}.{form}.triton"].launch
+    config = ", ".join(f"{k}={v}" for k, v in launch.items() if k in ("BLOCK_J", "CHUNK", "num_warps"))
+    return Row(f"compressor entries C{ratio} {form} (prefill, pool + finish, CUDA graph)",
+               f"{tokens} tok x {c * width}", bench(graphed(ours), quick),
+               bench(graphed(lambda: ref(kv, score, ape, ratio, width, n, *finish)), quick),
+               bench(graphed(lambda: compiled(kv, score, ape, ratio, width, n, *finish)), quick),
+               1e6 * moved / ceil["copy_bytes_per_s"], moved,
+               note=f"{config}; pool kernel + compiled finish {bench(graphed(unfused), quick):.1f} us")
+
+
+def compressor_entry_state_row(ceil: dict[str, float], quick: bool, batch: int, ratio: int, width: int = 512) -> Row:
+    """The decode update's pooling over the compressor state with the entry's finish fused, against the model's
+    code; the note gives the pooling kernel followed by the compiled finish, both per call in a 20-call graph."""
+    from v4compile.model.compressor import finish_entries
+
+    c = 2 if ratio == 4 else 1
+    kv = torch.randn(batch, c * ratio, c * width, device="cuda")
+    score = torch.randn(batch, c * ratio, c * width, device="cuda")
+    finish = _entry_inputs(ratio, width, False, batch, torch.randint(0, 4096, (batch,), device="cuda") * ratio)
+    ref = reference.compressor_entry_state
+    _check(ops.compressor_entry_state(kv, score, ratio, width, *finish, "triton"),
+           ref(kv, score, ratio, width, *finish), "compressor entry state", tol=1e-2)
+    _ran(f"compressor_entry_state.c{ratio}.w{width}.fp8.triton")
+    compiled, compiled_finish = _compiled(ref), _compiled(finish_entries)
+    compiled(kv, score, ratio, width, *finish)
+    moved = (kv.nbytes + score.nbytes) // c + batch * width * 2
+
+    def ours() -> torch.Tensor:
+        return ops.compressor_entry_state(kv, score, ratio, width, *finish, "triton")
+
+    def unfused() -> torch.Tensor:
+        return compiled_finish(ops.compressor_pool_state(kv, score, ratio, width, "triton"), *finish)
+
+    unfused()
+    return Row(f"compressor entry update C{ratio} (decode, pool + finish, CUDA graph)", f"batch {batch}",
+               bench(graphed(ours), quick), bench(graphed(lambda: ref(kv, score, ratio, width, *finish)), quick),
+               bench(graphed(lambda: compiled(kv, score, ratio, width, *finish)), quick),
+               1e6 * moved / ceil["copy_bytes_per_s"], moved,
+               note=f"in a 20-call graph {in_graph_us(ours, quick):.1f} us/call; pool kernel + compiled finish "
+                    f"{in_graph_us(unfused, quick):.1f} us/call")
+
+
 def topk_row(ceil: dict[str, float], quick: bool, batch: int, k: int, n: int = 262144, ties: bool = False) -> Row:
     """Exact top-k (ties to the lowest index) against the model's stable-sort prefix and torch.topk, on
     bf16-valued scores like the indexer's (``ties``: an eighth of the row holds four repeated values, so
@@ -357,6 +438,10 @@ def mhc_row(ceil: dict[str, float], quick: bool, batch: int, dim: int = 4096, n:
 SECTIONS: dict[str, Callable[[dict[str, float], bool], list[Row]]] = {
     "compressor": lambda c, q: [compressor_prefill_row(c, q, ratio) for ratio in (4, 128)]
     + [compressor_decode_row(c, q, batch) for batch in (1, 16, 64, 256)],
+    "compressor_finish": lambda c, q: [compressor_entries_row(c, q, 4, 512, False),
+                                       compressor_entries_row(c, q, 128, 512, False),
+                                       compressor_entries_row(c, q, 4, 128, True)]
+    + [compressor_entry_state_row(c, q, batch, ratio) for ratio in (4, 128) for batch in (1, 16, 64, 256)],
     "topk": lambda c, q: [topk_row(c, q, batch, k) for batch, k in ((1, 512), (64, 512), (1, 1024), (256, 512))]
     + [topk_row(c, q, 1, 2048, n=1 << 20), topk_row(c, q, 1, 512, ties=True)],
     "attention": lambda c, q: [sparse_attention_row(c, q, batch) for batch in (1, 16, 64, 128)],

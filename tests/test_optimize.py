@@ -116,14 +116,14 @@ def test_bisect_finds_a_deliberately_broken_kernel(monkeypatch: pytest.MonkeyPat
     real = reference.compressor_pool
 
     def broken(kv, score, ape, ratio, width, n_blocks):
-        """The C4 indexer-key kernel with its output dims reversed: a plausible indexing bug."""
+        """The C4 indexer-key pooling with its output dims reversed: a plausible indexing bug."""
         out = real(kv, score, ape, ratio, width, n_blocks)
         return out.flip(-1) if (ratio, width) == (4, 64) else out
 
     monkeypatch.setattr(reference, "compressor_pool", broken)
     result = bisect(tiny_model, backend="reference")
     assert result.culprit is not None
-    assert result.culprit.kernel == "compressor_pool.c4.w64.reference"
+    assert result.culprit.kernel == "compressor_entries.c4.w64.hadamard_fp4.reference"
     assert result.culprit.location.module == "layers.1"
     assert result.error_at > 1e-2 >= result.error_before
 

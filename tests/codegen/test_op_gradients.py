@@ -69,3 +69,21 @@ def test_moe_experts_gradients_match_the_dense_loop() -> None:
     want, got = _grads((dense,), tuple(params), 4), _grads((fused,), tuple(params), 4)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-3)
+
+
+def test_fused_compressor_entries_gradients_match_the_model() -> None:
+    from v4compile.model.compressor import finish_entries, pool_blocks
+    from v4compile.model.rope import rope_cos_sin, rope_frequencies
+
+    torch.manual_seed(4)
+    ratio, width, blocks = 4, 128, 3
+    kv, score = torch.randn(2, blocks * ratio, 2 * width, requires_grad=True), torch.randn(2, blocks * ratio, 2 * width)
+    ape, weight = torch.randn(ratio, 2 * width), torch.rand(width).add(0.5).requires_grad_()
+    cos, sin = rope_cos_sin(rope_frequencies(64, 1e4, 0, 1, 32, 1), torch.arange(blocks) * ratio)
+    inputs = (kv, weight)
+    want = _grads((finish_entries(pool_blocks(kv, score, ape, ratio, width), cos, sin, weight, 1e-6, False, True),),
+                  inputs, 5)
+    got = _grads((ops.compressor_entries(kv, score, ape, ratio, width, blocks, cos, sin, weight, 1e-6, False, True,
+                                         "triton"),), inputs, 5)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

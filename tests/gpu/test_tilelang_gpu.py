@@ -89,6 +89,7 @@ def test_sparse_attention_cuda(batch: int, heads: int, k: int, entries: int, rou
     index[0, 0, :5] = entries + 3  # beyond the entries: masked like -1
     want = reference.sparse_attention(q.double(), kv.double(), sink.double(), torch.where(index < entries, index, -1),
                                       512**-0.5)
+    index = index.int() if rounded_p else index  # both id widths the kernel reads
     got = attention.sparse_attention(q, kv, sink, index, 512**-0.5, rounded_p=rounded_p)
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2e-3 if rounded_p else 1e-4)
     record = REGISTRY.records[attention.kernel_name(512, rounded_p)]

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import v4compile
+from v4compile import optimize
 from v4compile.debugging import explain, run_entries, sample_ids
 from v4compile.model import compressor as compressor_module
 from v4compile.model import indexer as indexer_module
@@ -32,6 +33,12 @@ def test_every_compressor_and_indexer_topk_is_rewritten(explained) -> None:
         # layers 1 and 3 are C4 (main width 128 + indexer width 64), layer 2 is C128
         assert kinds == sorted([(4, 128, form), (4, 64, form), (128, 128, form), (4, 128, form), (4, 64, form)])
         assert {m.location.module for m in matches} == {"layers.1", "layers.2", "layers.3"}
+        # C4's finish (norm, RoPE, FP8 or Hadamard + FP4) is fused (the indexer's width-64 entries rotated); C128's
+        # is not, where it does not pay
+        for m in matches:
+            want = ("hadamard_fp4" if m.details["width"] == 64 else "fp8" if m.details["ratio"] == 4
+                    else "not fused: C128")
+            assert m.details["finish"].startswith(want), m.details
         topk = _by_pass(report, "radix_topk").matches
         assert len(topk) == 2 and all(m.details["masks_invalid"] for m in topk)
         assert all("indexer.py" in m.location.source for m in topk)
@@ -66,6 +73,24 @@ def test_a_perturbed_softmax_axis_does_not_match_and_says_why(monkeypatch: pytes
     assert reasons and all("not summed over the softmax axis 1" in r for r in reasons), reasons
 
 
+def test_a_different_finish_keeps_the_pooling_fused_and_says_why(monkeypatch: pytest.MonkeyPatch,
+                                                                 tiny_model: v4compile.DeepSeekV4) -> None:
+    model_finish = compressor_module.finish_entries
+
+    def rope_before_norm(pooled, cos, sin, norm_weight, eps, rotate, pow2_scales):
+        """The model's finish with RoPE applied before the RMSNorm."""
+        rotated = compressor_module.apply_rope(pooled.to(torch.bfloat16), cos, sin).float()
+        return model_finish(rotated, cos * 0 + 1, sin * 0, norm_weight, eps, rotate, pow2_scales)
+
+    monkeypatch.setattr(compressor_module, "finish_entries", rope_before_norm)
+    optimized = explain(tiny_model, backend="reference", entries=("forward",), passes=["compressor_fusion"])
+    matches = _by_pass(optimized.reports()[0], "compressor_fusion").matches
+    assert len(matches) == 5 and all(m.kernel.startswith("compressor_pool.") for m in matches)
+    assert all(m.details["finish"].startswith("not fused: ") for m in matches), [m.details for m in matches]
+    assert all("not finished as the model's finish_entries: it is applied to" in m.details["finish"]
+               for m in matches), [m.details for m in matches]
+
+
 def test_an_unstable_sort_does_not_match(monkeypatch: pytest.MonkeyPatch, tiny_model: v4compile.DeepSeekV4) -> None:
     def select(self, scores, visible):
         k = min(self.topk, scores.shape[-1])
@@ -90,7 +115,7 @@ def test_fuel_disable_and_dumps(tiny_model: v4compile.DeepSeekV4, tmp_path: Path
     assert not _by_pass(report, "radix_topk").enabled and not _by_pass(report, "radix_topk").matches
     files = sorted(p.name for p in (tmp_path / report.graph).iterdir())
     assert files == ["00-captured.txt", "01-after-compressor_fusion.txt", "report.json"]
-    assert "v4compile.compressor_pool" in (tmp_path / report.graph / "01-after-compressor_fusion.txt").read_text()
+    assert "v4compile.compressor_entries" in (tmp_path / report.graph / "01-after-compressor_fusion.txt").read_text()
 
 
 def test_pass_uuid_covers_options_and_is_stable() -> None:
@@ -125,11 +150,19 @@ def test_a_model_that_is_not_v4_still_optimizes_and_the_report_says_so() -> None
 
 
 def test_tilelang_backend_names_the_kernels_that_really_run(tiny_model: v4compile.DeepSeekV4) -> None:
-    """TileLang has the decode-state pooling; ops without a TileLang kernel run (and are named) Triton."""
+    """TileLang has the decode-state pooling; ops without a TileLang kernel (the pooling with its finish, top-k)
+    run (and are named) Triton."""
     optimized = explain(tiny_model, backend="tilelang", entries=("decode",))
     kernels = {m.kernel for m in optimized.reports()[0].matches}
-    assert "compressor_pool_state.c4.w128.tilelang" in kernels
+    assert "compressor_entry_state.c4.w128.fp8.triton" in kernels
     assert "radix_topk.k8.triton" in kernels
+    unfinished = optimize(tiny_model, backend="tilelang", inductor=False,
+                          options={"compressor_fusion": {"finish": False}})
+    run_entries(unfinished, sample_ids(tiny_model), ("decode",))
+    matches = unfinished.reports()[0].matches
+    assert "compressor_pool_state.c4.w128.tilelang" in {m.kernel for m in matches}
+    assert all(m.details["finish"] == "not fused: switched off (option finish=False)" for m in matches
+               if m.pass_name == "compressor_fusion")
 
 
 def test_passes_run_through_the_inductor_custom_pass_interface(tiny_model: v4compile.DeepSeekV4) -> None:
@@ -147,4 +180,4 @@ def test_passes_run_through_the_inductor_custom_pass_interface(tiny_model: v4com
     for graph_pass in build_passes():
         graph_pass(graph)
     targets = {str(n.target) for n in graph.nodes if n.op == "call_function"}
-    assert {"v4compile.compressor_pool.default", "v4compile.radix_topk.default"} <= targets
+    assert {"v4compile.compressor_entries.default", "v4compile.radix_topk.default"} <= targets

@@ -37,9 +37,11 @@ def _fast_impl(op: str, backend: str) -> Callable[..., Any] | None:
         from .tilelang import IMPLEMENTATIONS as tilelang_impls
 
         return tilelang_impls[op]
-    from .triton import compressor, indexer_scores, mhc, moe, radix_topk, sparse_attention
+    from .triton import compressor, compressor_finish, indexer_scores, mhc, moe, radix_topk, sparse_attention
 
     return {"compressor_pool": compressor.compressor_pool,
+            "compressor_entries": compressor_finish.compressor_entries,
+            "compressor_entry_state": compressor_finish.compressor_entry_state,
             "indexer_scores": indexer_scores.indexer_scores,
             "compressor_pool_state": compressor.compressor_pool_state,
             "radix_topk": radix_topk.radix_topk,
@@ -69,6 +71,25 @@ def _reference_grads(op: str, tensors: tuple[torch.Tensor, ...], extra: tuple[An
         wanted = [t for t in leaves if t.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else [])
     return (*(next(grads) if t.requires_grad else None for t in leaves), *([None] * trailing))
+
+
+def _setup_by_position(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    """Saves a custom op's inputs for ``_grads_by_position``: tensors through ``save_for_backward``."""
+    ctx.save_for_backward(*[a for a in inputs if isinstance(a, torch.Tensor)])
+    ctx.args = [None if isinstance(a, torch.Tensor) else a for a in inputs]
+
+
+def _grads_by_position(op: str, ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """Backward of a custom op whose tensor inputs sit anywhere among its arguments (the last one the backend):
+    its reference body recomputed under autograd; one gradient per argument, None for non-tensors."""
+    tensors = iter(ctx.saved_tensors)
+    args = [next(tensors) if a is None else a for a in ctx.args]
+    with torch.enable_grad():
+        leaves = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+        out = getattr(reference, op)(*leaves[:-1])
+        wanted = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else [])
+    return tuple(next(grads) if isinstance(a, torch.Tensor) and a.requires_grad else None for a in leaves)
 
 
 # ----------------------------------------------------------------------------- compressor_pool
@@ -123,6 +144,47 @@ def _state_backward(ctx, grad):
 
 
 compressor_pool_state.register_autograd(_state_backward, setup_context=_state_setup)
+
+
+# ----------------------------------------------------------------------------- compressor_entries
+@torch.library.custom_op("v4compile::compressor_entries", mutates_args=())
+def compressor_entries(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, width: int,
+                       n_blocks: int, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       rotate: bool, pow2_scales: bool, backend: str) -> torch.Tensor:
+    """Finished cache entries [B, n_blocks, width] (bf16): ``compressor_pool`` then the model's finish (RMSNorm,
+    RoPE with the entries' ``cos``/``sin``, FP8 or Hadamard + FP4 simulation), so the pooled fp32 entries are
+    never written."""
+    return _run("compressor_entries", backend, kv, score, ape, ratio, width, n_blocks, cos, sin, norm_weight, eps,
+                rotate, pow2_scales)
+
+
+@compressor_entries.register_fake
+def _(kv, score, ape, ratio, width, n_blocks, cos, sin, norm_weight, eps, rotate, pow2_scales, backend):
+    return kv.new_empty(kv.shape[0], n_blocks, width, dtype=torch.bfloat16)
+
+
+compressor_entries.register_autograd(lambda ctx, grad: _grads_by_position("compressor_entries", ctx, grad),
+                                     setup_context=_setup_by_position)
+
+
+# ----------------------------------------------------------------------------- compressor_entry_state
+@torch.library.custom_op("v4compile::compressor_entry_state", mutates_args=())
+def compressor_entry_state(kv_state: torch.Tensor, score_state: torch.Tensor, ratio: int, width: int,
+                           cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float, rotate: bool,
+                           pow2_scales: bool, backend: str) -> torch.Tensor:
+    """The finished entry [B, width] (bf16) of a decode state: ``compressor_pool_state`` then the model's
+    finish, in one kernel."""
+    return _run("compressor_entry_state", backend, kv_state, score_state, ratio, width, cos, sin, norm_weight, eps,
+                rotate, pow2_scales)
+
+
+@compressor_entry_state.register_fake
+def _(kv_state, score_state, ratio, width, cos, sin, norm_weight, eps, rotate, pow2_scales, backend):
+    return kv_state.new_empty(kv_state.shape[0], width, dtype=torch.bfloat16)
+
+
+compressor_entry_state.register_autograd(lambda ctx, grad: _grads_by_position("compressor_entry_state", ctx, grad),
+                                         setup_context=_setup_by_position)
 
 
 # ----------------------------------------------------------------------------- radix_topk

@@ -7,7 +7,7 @@ from functools import lru_cache
 import torch
 from torch.func import functional_call
 
-from ..model.compressor import pool_blocks
+from ..model.compressor import finish_entries, pool_blocks
 from ..model.indexer import index_scores as indexer_scores  # noqa: F401  (the op's reference body)
 from ..model.mhc import hc_post as mhc_post  # noqa: F401  (the op's reference body)
 from ..model.mhc import hc_pre as mhc_pre  # noqa: F401  (the op's reference body)
@@ -36,6 +36,22 @@ def compressor_pool_state(kv_state: torch.Tensor, score_state: torch.Tensor, rat
         kv, score = kv_state, score_state
     acc = accumulation_dtype(kv)
     return (kv.to(acc) * score.to(acc).softmax(dim=1)).sum(dim=1)
+
+
+def compressor_entries(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, width: int,
+                       n_blocks: int, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       rotate: bool, pow2_scales: bool) -> torch.Tensor:
+    """Finished cache entries [B, n_blocks, width] (bf16): the pooled entries through the model's finish."""
+    pooled = compressor_pool(kv, score, ape, ratio, width, n_blocks)
+    return finish_entries(pooled, cos, sin, norm_weight, eps, rotate, pow2_scales)
+
+
+def compressor_entry_state(kv_state: torch.Tensor, score_state: torch.Tensor, ratio: int, width: int,
+                           cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float, rotate: bool,
+                           pow2_scales: bool) -> torch.Tensor:
+    """The finished entry [B, width] (bf16) of a decode state: its pooled entry through the model's finish."""
+    pooled = compressor_pool_state(kv_state, score_state, ratio, width)
+    return finish_entries(pooled, cos, sin, norm_weight, eps, rotate, pow2_scales)
 
 
 def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from .cache import CompressorCache
 from .config import V4Config
 from .hadamard import hadamard_rotate
 from .linear import Linear
-from .norm import RMSNorm
+from .norm import RMSNorm, rms_norm
 from .rope import apply_rope, rope_cos_sin
 
 
@@ -34,6 +34,20 @@ def pool_blocks(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio:
     return (kv * score.softmax(dim=2)).sum(dim=2)
 
 
+def finish_entries(pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   rotate: bool, pow2_scales: bool) -> torch.Tensor:
+    """Pooled entries (fp32) -> cache entries (bf16): RMSNorm, RoPE on the last ``2*cos.shape[-1]`` dims with the
+    entries' ``cos``/``sin``, then FP8 simulation of the other dims (main branch) or the Hadamard rotation and FP4
+    simulation of all of them (indexer branch, ``rotate``)."""
+    e = rms_norm(pooled.to(torch.bfloat16), norm_weight, eps)
+    e = apply_rope(e, cos, sin)
+    if rotate:
+        return quant.fp4_simulate(hadamard_rotate(e))
+    rope_dim = 2 * cos.shape[-1]
+    nope = quant.fp8_simulate(e[..., :-rope_dim], quant.FP8_KV_BLOCK, pow2_scales)
+    return torch.cat((nope, e[..., -rope_dim:]), dim=-1)
+
+
 def _shift_blocks(x: torch.Tensor, fill: float) -> torch.Tensor:
     """Block j gets block j-1's rows; block 0 gets ``fill``."""
     return torch.cat((torch.full_like(x[:, :1], fill), x[:, :-1]), dim=1)
@@ -46,7 +60,6 @@ class Compressor(nn.Module):
         super().__init__()
         self.ratio, self.width, self.rotate = ratio, width, rotate
         self.overlap = ratio == 4
-        self.rope_dim = config.rope_head_dim
         self.pow2_scales = config.pow2_scales
         c = 2 if self.overlap else 1
         self.ape = nn.Parameter(torch.zeros(ratio, c * width, dtype=torch.float32))
@@ -56,13 +69,8 @@ class Compressor(nn.Module):
 
     def finish(self, pooled: torch.Tensor, entry_pos: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """Normalizes, rotates (RoPE at the entry's first token position) and simulated-quantizes entries."""
-        e = self.norm(pooled.to(torch.bfloat16))
         cos, sin = rope_cos_sin(freqs, entry_pos)
-        e = apply_rope(e, cos, sin)
-        if self.rotate:
-            return quant.fp4_simulate(hadamard_rotate(e))
-        nope = quant.fp8_simulate(e[..., : -self.rope_dim], quant.FP8_KV_BLOCK, self.pow2_scales)
-        return torch.cat((nope, e[..., -self.rope_dim :]), dim=-1)
+        return finish_entries(pooled, cos, sin, self.norm.weight, self.norm.eps, self.rotate, self.pow2_scales)
 
     def forward_full(self, x: torch.Tensor, freqs: torch.Tensor, cache: CompressorCache | None) -> torch.Tensor:
         """Entries ``[B, S//ratio, width]`` of a sequence starting at position 0; fills ``cache`` if given."""

@@ -34,6 +34,7 @@ STAGES = {stages}
 THREADS = {threads}
 SPLITS = {splits}
 ROUNDED_P = {rounded_p}
+IDS = "{ids}"
 LOG2E = 1.4426950408889634
 
 
@@ -45,7 +46,7 @@ def build(target):
 
     @T.prim_func
     def attend(q: T.Tensor((batch, seqlen, heads, DIM), "bfloat16"), kv: T.Tensor((batch, entries, DIM), "bfloat16"),
-               index: T.Tensor((batch, seqlen, k_total), "int32"), sink: T.Tensor((heads,), "float32"),
+               index: T.Tensor((batch, seqlen, k_total), IDS), sink: T.Tensor((heads,), "float32"),
                scale: T.float32, out: T.Tensor((batch, seqlen, heads, DIM), "bfloat16"),
                part: T.Tensor(part_shape, "float32")):
         # block (s, b, hs): query s of row b, head block hs // SPLITS, entry blocks of split hs % SPLITS
@@ -182,17 +183,23 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, inde
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     config = config or launch_config(bsz * seqlen, heads, index.shape[-1], sms)
     name = kernel_name(dim, rounded_p)
+    if index.dtype not in (torch.int32, torch.int64):
+        index = index.long()
+    ids = str(index.dtype).removeprefix("torch.")
     attend, combine = REGISTRY.build(
         name, "tilelang", "v4compile::sparse_attention",
-        lambda: _SOURCE.format(dim=dim, block_h=BLOCK_H, rounded_p=rounded_p, **config),
-        lambda path: load_kernels(path, "cuda", name), key=tuple(sorted(config.items())))
+        lambda: _SOURCE.format(dim=dim, block_h=BLOCK_H, rounded_p=rounded_p, ids=ids, **config),
+        lambda path: load_kernels(path, "cuda", name), key=(ids, *sorted(config.items())))
     q, kv = q.contiguous(), kv.contiguous()
-    # int32 ids (out-of-range ids -1 first, so that none wraps into range) padded with -1 to whole entry
-    # blocks, so that every block reads ids of its own query
+    # ids as given (int32 or int64, compared with the entry count in their own width), padded with -1 to whole
+    # entry blocks when needed, so that every block reads ids of its own query
     k_total = index.shape[-1]
-    padded_index = torch.full((bsz, seqlen, -(-k_total // config["block_k"]) * config["block_k"]), -1,
-                              dtype=torch.int32, device=q.device)
-    padded_index[..., :k_total] = torch.where((index >= 0) & (index < kv.shape[1]), index, -1)
+    whole = -(-k_total // config["block_k"]) * config["block_k"]
+    if whole == k_total:
+        padded_index = index.contiguous()
+    else:
+        padded_index = torch.full((bsz, seqlen, whole), -1, dtype=index.dtype, device=q.device)
+        padded_index[..., :k_total] = index
     splits = config["splits"]
     part_shape = (bsz, seqlen, heads, splits, dim + 2) if splits > 1 else (1,)
     part = torch.empty(part_shape, dtype=torch.float32, device=q.device)

@@ -20,15 +20,21 @@ OVERLAP = tl.constexpr({overlap})
 ACC = tl.constexpr({acc})
 '''
 
-_POOL = _HEADER + '''
+ABSORB = '''
 
 @triton.jit
 def _absorb(m, s, acc, kv, z):
-    # online softmax over axis 1 of [BLOCK_J, CHUNK, BLOCK_D] tiles
+    # online softmax over axis 1 of [BLOCK_J, CHUNK, BLOCK_D] tiles; a chunk of -inf scores (empty state
+    # slots) before any finite one adds nothing (the shift stays finite, so no -inf - -inf)
     m_new = tl.maximum(m, tl.max(z, axis=1))
-    scale = tl.exp(m - m_new)
-    e = tl.exp(z - m_new[:, None, :])
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    scale = tl.exp(m - shift)
+    e = tl.exp(z - shift[:, None, :])
     return m_new, s * scale + tl.sum(e, axis=1), acc * scale + tl.sum(e * kv, axis=1)
+'''
+"""The online-softmax step of the pooling kernels (also the finishing kernel's, ``compressor_finish.py``)."""
+
+_POOL = _HEADER + ABSORB + '''
 
 
 @triton.jit

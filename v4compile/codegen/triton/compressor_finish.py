@@ -1,0 +1,272 @@
+"""Compressor pooling with the entry's finish fused, in Triton: one program pools whole entries (every dim, so
+the RMS is at hand) and, before its only write, normalizes them, applies RoPE to the last dims and simulates
+the cache format: FP8 blocks on the other dims (main branch) or the Hadamard rotation then FP4 blocks (indexer
+branch). Prefill form (entries of complete blocks) and decode-state form (the entry of the open block). The
+result is the bf16 entry the model computes, so the fp32 pooled entries never reach memory.
+
+The rounding follows the model's code step by step (bf16 after the pooling, the norm, RoPE and the rotation;
+quantization grids by exponent bits and round-half-even), so results differ from the model only where the
+pooling's own fp32 rounding, in another summation order, moves a value across a rounding boundary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from ...model import quant
+from ..registry import REGISTRY
+from .compressor import ABSORB, triton_next_pow2
+from .launch import ROUND_BF16, load_triton_module, lowered_text
+
+_HEADER = '''
+import triton
+import triton.language as tl
+
+RATIO = tl.constexpr({ratio})
+WIDTH = tl.constexpr({width})
+OVERLAP = tl.constexpr({overlap})
+STATE = tl.constexpr({state})
+ROPE = tl.constexpr({rope})
+ROTATE = tl.constexpr({rotate})
+POW2 = tl.constexpr({pow2})
+BLOCK_W = tl.constexpr({block_w})
+FP8_BLOCK = tl.constexpr({fp8_block})
+FP4_BLOCK = tl.constexpr({fp4_block})
+FP8_FLOOR = tl.constexpr({fp8_floor})
+FP4_FLOOR = tl.constexpr({fp4_floor})
+INV_SQRT_W = tl.constexpr({inv_sqrt_w})
+ROUND_INT = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + it - it rounds |x| < 2**22 to an integer, ties to even
+'''
+
+_GRID = '''
+
+@triton.jit
+def _exp2i(e):
+    # exact 2**e for integer e in the normal range
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _floor_log2(x):
+    # exact floor(log2|x|) of finite nonzero fp32, from the exponent bits
+    return ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def _ceil_pow2(x):
+    e = _floor_log2(x)
+    return tl.where(_exp2i(e) == x, x, _exp2i(e + 1))
+
+
+@triton.jit
+def _round_to_grid(x, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, MAX: tl.constexpr):
+    # nearest value with MANTISSA bits (spacing constant below 2**MIN_EXP), ties to even, saturating
+    x = tl.minimum(tl.maximum(x, -MAX), MAX)
+    e = tl.maximum(_floor_log2(tl.where(x == 0, 1.0, x)), MIN_EXP)
+    v = x * _exp2i(MANTISSA - e)
+    v = (v + ROUND_INT) - ROUND_INT
+    return tl.minimum(tl.maximum(v * _exp2i(e - MANTISSA), -MAX), MAX)
+
+
+@triton.jit
+def _simulate(x, BLOCK_J: tl.constexpr, BLOCK: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
+              MAX: tl.constexpr, FLOOR: tl.constexpr, POW2_SCALE: tl.constexpr):
+    # quantize-dequantize [BLOCK_J, BLOCK_W] with one scale per BLOCK dims: amax / MAX, floored, maybe pow2
+    xb = tl.reshape(x, [BLOCK_J, BLOCK_W // BLOCK, BLOCK])
+    amax = tl.maximum(tl.max(tl.abs(xb), axis=2), FLOOR)
+    scale = tl.div_rn(amax, MAX)
+    if POW2_SCALE:
+        scale = _ceil_pow2(scale)
+    q = _round_to_grid(tl.div_rn(xb, scale[:, :, None]), MANTISSA, MIN_EXP, MAX) * scale[:, :, None]
+    return tl.reshape(q, [BLOCK_J, BLOCK_W])
+'''
+
+_FINISH = '''
+
+@triton.jit
+def _finish(p, rows, COS, SIN, cs_off, NORM_W, eps, BLOCK_J: tl.constexpr):
+    # pooled fp32 [BLOCK_J, BLOCK_W] (zero past WIDTH) -> the finished entry, on the bf16 grid
+    d = tl.arange(0, BLOCK_W)
+    x = _round_bf16(p)
+    weight = tl.load(NORM_W + d, mask=d < WIDTH, other=0.0)
+    inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) * (1.0 / WIDTH) + eps)
+    y = _round_bf16(weight[None, :] * (x * inv_rms[:, None]))
+    a, b = tl.split(tl.reshape(y, [BLOCK_J, BLOCK_W // 2, 2]))
+    k = tl.arange(0, BLOCK_W // 2)
+    rope = (2 * k >= WIDTH - ROPE) & (2 * k < WIDTH)
+    lane = rows[:, None] & rope[None, :]
+    at = cs_off[:, None] + (k - (WIDTH - ROPE) // 2)[None, :]
+    cos = tl.load(COS + at, mask=lane, other=1.0)
+    sin = tl.load(SIN + at, mask=lane, other=0.0)
+    a_rot = tl.where(rope[None, :], _round_bf16(a * cos - b * sin), a)
+    b_rot = tl.where(rope[None, :], _round_bf16(a * sin + b * cos), b)
+    e = tl.reshape(tl.join(a_rot, b_rot), [BLOCK_J, BLOCK_W])
+    if ROTATE:
+        e = _round_bf16(_hadamard(e, BLOCK_J) * INV_SQRT_W)
+        e = _simulate(e, BLOCK_J, FP4_BLOCK, 1, 0, 6.0, FP4_FLOOR, True)
+    elif WIDTH > ROPE:
+        q = _simulate(tl.where((d < WIDTH - ROPE)[None, :], e, 0.0), BLOCK_J, FP8_BLOCK, 3, -6, 448.0, FP8_FLOOR, POW2)
+        e = tl.where((d < WIDTH - ROPE)[None, :], q, e)
+    return _round_bf16(e)
+'''
+
+_POOL = '''
+
+@triton.jit
+def {fn}(KV, SCORE, APE, COS, SIN, NORM_W, OUT, n_blocks, s_kb, s_ks, s_ob, s_on, s_cb, s_cn, eps,
+         BLOCK_J: tl.constexpr, CHUNK: tl.constexpr):
+    # one program: BLOCK_J consecutive entries, every dim; kv and score read once, the entry written once.
+    # The decode state is one block (two with the overlap: previous | current) whose scores hold the bias.
+    per_b = tl.cdiv(n_blocks, BLOCK_J)
+    b = tl.program_id(0) // per_b
+    jj = (tl.program_id(0) % per_b) * BLOCK_J + tl.arange(0, BLOCK_J)
+    block = jj + (1 if STATE and OVERLAP else 0)
+    d = tl.arange(0, BLOCK_W)
+    rows = jj < n_blocks
+    lane = rows[:, None, None] & (d < WIDTH)[None, None, :]
+    cols = (2 if OVERLAP else 1) * WIDTH
+    m = tl.full([BLOCK_J, BLOCK_W], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_J, BLOCK_W], tl.float32)
+    acc = tl.zeros([BLOCK_J, BLOCK_W], tl.float32)
+    cur = (WIDTH if OVERLAP else 0) + d
+    for r0 in tl.static_range(0, RATIO, CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        ptr = b * s_kb + (block[:, None, None] * RATIO + r[None, :, None]) * s_ks + cur[None, None, :]
+        kv = tl.load(KV + ptr, mask=lane, other=0.0)
+        z = tl.load(SCORE + ptr, mask=lane, other=0.0)
+        if not STATE:
+            z += tl.load(APE + r[None, :, None] * cols + cur[None, None, :], mask=lane, other=0.0)
+        m, s, acc = _absorb(m, s, acc, kv, z)
+    if OVERLAP:
+        r = tl.arange(0, RATIO)
+        at = (block[:, None, None] - 1) * RATIO + r[None, :, None]
+        prev = lane & (at >= 0)
+        ptr = b * s_kb + at * s_ks + d[None, None, :]
+        kv = tl.load(KV + ptr, mask=prev, other=0.0)
+        z = tl.load(SCORE + ptr, mask=prev, other=float("-inf"))
+        if not STATE:
+            z += tl.load(APE + r[None, :, None] * cols + d[None, None, :], mask=lane, other=0.0)
+        m, s, acc = _absorb(m, s, acc, kv, z)
+    pooled = tl.where((d < WIDTH)[None, :], acc / s, 0.0)
+    entry = _finish(pooled, rows, COS, SIN, b * s_cb + jj * s_cn, NORM_W, eps, BLOCK_J)
+    out = OUT + b * s_ob + jj[:, None] * s_on + d[None, :]
+    tl.store(out, entry.to(tl.bfloat16), mask=rows[:, None] & (d < WIDTH)[None, :])
+'''
+
+
+def _hadamard_source(n: int) -> str:
+    """The Walsh-Hadamard butterfly over ``n`` dims as unrolled reshapes (the model's order of sums)."""
+    lines = ["", "", "@triton.jit", "def _hadamard(x, BLOCK_J: tl.constexpr):",
+             "    # Sylvester order: pairs h apart become (a + b, a - b), h = 1, 2, 4, ..."]
+    h = 1
+    while h < n:
+        lines += [f"    y = tl.permute(tl.reshape(x, [BLOCK_J, {n // (2 * h)}, 2, {h}]), (0, 1, 3, 2))",
+                  "    a, b = tl.split(y)",
+                  f"    x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), [BLOCK_J, {n}])"]
+        h *= 2
+    return "\n".join(lines + ["    return x", ""])
+
+
+def kernel_name(ratio: int, width: int, rotate: bool, state: bool) -> str:
+    """Stable kernel name, e.g. ``compressor_entries.c4.w512.fp8.triton`` (``compressor_entry_state`` for the
+    decode form, ``.hadamard_fp4`` for the indexer branch)."""
+    form = "hadamard_fp4" if rotate else "fp8"
+    return f"{'compressor_entry_state' if state else 'compressor_entries'}.c{ratio}.w{width}.{form}.triton"
+
+
+def launch_config(ratio: int, width: int, state: bool) -> dict[str, int]:
+    """Tiles measured on the H200 (65536 tokens, width 512): a C4 main entry per program with 4 warps (159 us;
+    2 entries 175, 8 warps 184-302), several indexer entries per program; C128 blocks in 32-row chunks with 8
+    warps (95 us; 4-16 rows 107-488), the C128 state with 16 warps (23 us at batch 1; 32 warps 62)."""
+    block_w = triton_next_pow2(width)
+    if ratio * block_w <= 4096:
+        block_j = 1 if state or block_w >= 512 else 4096 // (ratio * block_w)
+        return {"BLOCK_J": block_j, "CHUNK": ratio, "num_warps": 4}
+    chunk = min(ratio, max(1, 16384 // block_w))
+    return {"BLOCK_J": 1, "CHUNK": chunk, "num_warps": 16 if state else 8}
+
+
+def supports(ratio: int, width: int, rope: int, rotate: bool) -> str | None:
+    """Why fusing the finish into this pooling does not pay or cannot be done (None when it can): C128-like blocks
+    lose more than they save, since the finish needs every dim of an entry in one program and a block's 128 rows
+    then leave too few programs (H200: prefill 95 vs 82 us for the pooling kernel + compiled finish, decode state
+    23 vs 8.5 us at batch 1); the rotation needs a power-of-two width of whole FP4 blocks, the main branch whole
+    FP8 blocks before the RoPE dims."""
+    if ratio > 8:
+        return (f"C{ratio} pools {ratio} rows per entry: a program per whole entry (the finish needs every dim) "
+                f"is slower than the pooling kernel plus a separate finish")
+    if rope % 2 or not 0 < rope <= width:
+        return f"RoPE dims {rope} are not an even count within the width {width}"
+    if rotate and (width & (width - 1) or width % quant.FP4_BLOCK):
+        return f"the rotated width {width} is not a power of two of whole FP4 blocks of {quant.FP4_BLOCK}"
+    if not rotate and (width - rope) % quant.FP8_KV_BLOCK:
+        return f"the {width - rope} non-RoPE dims are not whole FP8 blocks of {quant.FP8_KV_BLOCK}"
+    return None
+
+
+def _kernel(ratio: int, width: int, rope: int, rotate: bool, pow2: bool, state: bool, interpret: bool):
+    name = kernel_name(ratio, width, rotate, state)
+    fn = name.split(".")[0]
+    block_w = triton_next_pow2(width)
+
+    def source() -> str:
+        header = _HEADER.format(ratio=ratio, width=width, overlap=ratio == 4, state=state, rope=rope, rotate=rotate,
+                                pow2=pow2, block_w=block_w, fp8_block=quant.FP8_KV_BLOCK, fp4_block=quant.FP4_BLOCK,
+                                fp8_floor=quant.FP8_AMAX_FLOOR, fp4_floor=quant.FP4_AMAX_FLOOR,
+                                inv_sqrt_w=1.0 / math.sqrt(width))
+        hadamard = _hadamard_source(block_w) if rotate else ""
+        return header + ABSORB + ROUND_BF16 + _GRID + hadamard + _FINISH + _POOL.format(fn=fn)
+
+    module = REGISTRY.build(name, "triton", f"v4compile::{fn}", source,
+                            lambda path: load_triton_module(path, interpret), key=(rope, pow2, interpret))
+    return name, getattr(module, fn)
+
+
+def _per_entry(table: torch.Tensor, bsz: int, n_blocks: int, state: bool) -> torch.Tensor:
+    """An entry's cos or sin as [B, n_blocks, rope/2] with a unit last stride (broadcast dims keep stride 0)."""
+    table = table.float()
+    table = table.expand(bsz, table.shape[-1])[:, None] if state else table.expand(bsz, n_blocks, table.shape[-1])
+    return table if table.stride(-1) == 1 else table.contiguous()
+
+
+def _launch(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            norm_weight: torch.Tensor, eps: float, ratio: int, width: int, n_blocks: int, rotate: bool,
+            pow2: bool, state: bool) -> torch.Tensor:
+    bsz = kv.shape[0]
+    rope = 2 * cos.shape[-1]
+    kv, score = kv.float().contiguous(), score.float().contiguous()
+    ape, norm_weight = ape.float().contiguous(), norm_weight.float().contiguous()
+    cos, sin = _per_entry(cos, bsz, n_blocks, state), _per_entry(sin, bsz, n_blocks, state)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    name, kernel = _kernel(ratio, width, rope, rotate, pow2, state, kv.device.type != "cuda")
+    out = torch.empty(bsz, n_blocks, width, dtype=torch.bfloat16, device=kv.device)
+    if out.numel():
+        config = launch_config(ratio, width, state)
+        grid = (bsz * triton.cdiv(n_blocks, config["BLOCK_J"]),)
+        REGISTRY.launch(name, lambda: kernel[grid](
+            kv, score, ape, cos, sin, norm_weight, out, n_blocks, kv.stride(0), kv.stride(1), out.stride(0),
+            out.stride(1), cos.stride(0), cos.stride(1), float(eps), **config))
+        REGISTRY.note_launch(name, grid=grid, tokens=kv.shape[1], **config)
+        if kv.device.type == "cuda" and REGISTRY.records[name].lowered is None:
+            REGISTRY.set_lowered(name, lowered_text(kernel) or "")
+    return out[:, 0] if state else out
+
+
+def compressor_entries(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, width: int,
+                       n_blocks: int, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       rotate: bool, pow2_scales: bool) -> torch.Tensor:
+    """Triton body of ``v4compile::compressor_entries``."""
+    return _launch(kv, score, ape, cos, sin, norm_weight, eps, ratio, width, n_blocks, rotate, pow2_scales, False)
+
+
+def compressor_entry_state(kv_state: torch.Tensor, score_state: torch.Tensor, ratio: int, width: int,
+                           cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float, rotate: bool,
+                           pow2_scales: bool) -> torch.Tensor:
+    """Triton body of ``v4compile::compressor_entry_state``."""
+    no_bias = kv_state.new_zeros(())
+    return _launch(kv_state, score_state, no_bias, cos, sin, norm_weight, eps, ratio, width, 1, rotate,
+                   pow2_scales, True)
