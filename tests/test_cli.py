@@ -43,9 +43,9 @@ def test_dump_writes_graphs_per_pass(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_kernels_show_prints_source_and_launch(capsys: pytest.CaptureFixture) -> None:
     assert main(["kernels", "--entry", "decode", "--backend", "triton",
-                 "--show", "compressor_pool_state.c128.w128.triton"]) == 0
+                 "--show", "compressor_entry_state.c128.w128.fp8.triton"]) == 0
     out = capsys.readouterr().out
-    assert "@triton.jit" in out and "RATIO = tl.constexpr(128)" in out
+    assert "@triton.jit" in out and "RATIO = tl.constexpr(128)" in out and "def _hadamard" not in out
     assert "grid" in out and "compressor_fusion @" in out
     assert main(["kernels", "--entry", "decode", "--show", "nope"]) == 2
 

@@ -57,7 +57,8 @@ def _assert_finished_entries_match(got: torch.Tensor, want: torch.Tensor) -> Non
 @pytest.mark.parametrize(("ratio", "width", "rope", "rotate", "pow2", "state"), [
     (4, 128, 64, False, True, False), (4, 128, 64, False, False, True), (4, 192, 64, False, True, False),
     (4, 64, 64, True, True, False), (4, 128, 32, True, True, True), (128, 128, 64, False, True, False),
-    (128, 128, 64, False, False, True), (4, 512, 64, False, True, True),
+    (128, 128, 64, False, False, True), (4, 512, 64, False, True, True), (128, 320, 64, False, True, False),
+    (4, 1088, 64, False, False, True),  # pooled dims split over programs, the entry's last one finishes it
 ])
 def test_compressor_entries_pool_and_finish_like_the_model(ratio: int, width: int, rope: int, rotate: bool, pow2: bool,
                                                            state: bool) -> None:

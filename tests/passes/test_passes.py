@@ -33,12 +33,8 @@ def test_every_compressor_and_indexer_topk_is_rewritten(explained) -> None:
         # layers 1 and 3 are C4 (main width 128 + indexer width 64), layer 2 is C128
         assert kinds == sorted([(4, 128, form), (4, 64, form), (128, 128, form), (4, 128, form), (4, 64, form)])
         assert {m.location.module for m in matches} == {"layers.1", "layers.2", "layers.3"}
-        # C4's finish (norm, RoPE, FP8 or Hadamard + FP4) is fused (the indexer's width-64 entries rotated); C128's
-        # is not, where it does not pay
-        for m in matches:
-            want = ("hadamard_fp4" if m.details["width"] == 64 else "fp8" if m.details["ratio"] == 4
-                    else "not fused: C128")
-            assert m.details["finish"].startswith(want), m.details
+        # the finish (norm, RoPE, FP8 or Hadamard + FP4) is fused: the indexer's width-64 entries are rotated
+        assert all(m.details["finish"] == ("hadamard_fp4" if m.details["width"] == 64 else "fp8") for m in matches)
         topk = _by_pass(report, "radix_topk").matches
         assert len(topk) == 2 and all(m.details["masks_invalid"] for m in topk)
         assert all("indexer.py" in m.location.source for m in topk)

@@ -5,7 +5,7 @@ Prefill form: ``(blocks(kv) * softmax(blocks(score) + ape, over a block's tokens
 half. Decode-state form: the same softmax-weighted sum over the rows of the compressor state.
 Both read kv and score once and never materialise the blocked, shifted or concatenated views. Where the
 model's finish follows (RMSNorm, RoPE, FP8 or Hadamard + FP4 simulation: ``compressor_finish.find_finish``) and
-the kernel takes its dims, it is fused too: the kernel writes the bf16 cache entry, never the fp32 pooled one.
+the kernel takes its dims, it is fused too: the kernel writes the bf16 cache entry.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class CompressorFusion(GraphPass):
             if not self.options.get("finish", True):
                 raise NoMatch("switched off (option finish=False)")
             finish = find_finish(pool.sink)
-            unsupported = supports(ratio, width, finish.rope, finish.rotate)
+            unsupported = supports(width, finish.rope, finish.rotate)
             if unsupported:
                 raise NoMatch(unsupported)
         except NoMatch as miss:

@@ -1,8 +1,10 @@
-"""Compressor pooling with the entry's finish fused, in Triton: one program pools whole entries (every dim, so
-the RMS is at hand) and, before its only write, normalizes them, applies RoPE to the last dims and simulates
-the cache format: FP8 blocks on the other dims (main branch) or the Hadamard rotation then FP4 blocks (indexer
-branch). Prefill form (entries of complete blocks) and decode-state form (the entry of the open block). The
-result is the bf16 entry the model computes, so the fp32 pooled entries never reach memory.
+"""Compressor pooling with the entry's finish fused, in Triton: entries are pooled and, before their only
+write, normalized, rotated (RoPE on the last dims) and simulated in the cache format: FP8 blocks on the other
+dims (main branch) or the Hadamard rotation then FP4 blocks (indexer branch). A C4 program pools whole entries
+(every dim, so the RMS is at hand) and its pooled values stay in registers; a C128 block is too much for one
+program, so its dims are pooled by several programs into a scratch row and the entry's last program to finish
+(a ticket) finishes it. Prefill form (entries of complete blocks) and decode-state form (the entry of the open
+block); the result is the bf16 entry the model computes.
 
 The rounding follows the model's code step by step (bf16 after the pooling, the norm, RoPE and the rotation;
 quantization grids by exponent bits and round-half-even), so results differ from the model only where the
@@ -87,8 +89,8 @@ def _simulate(x, BLOCK_J: tl.constexpr, BLOCK: tl.constexpr, MANTISSA: tl.conste
 _FINISH = '''
 
 @triton.jit
-def _finish(p, rows, COS, SIN, cs_off, NORM_W, eps, BLOCK_J: tl.constexpr):
-    # pooled fp32 [BLOCK_J, BLOCK_W] (zero past WIDTH) -> the finished entry, on the bf16 grid
+def _finish(p, rows, COS, SIN, cs_off, NORM_W, eps, out, BLOCK_J: tl.constexpr):
+    # pooled fp32 [BLOCK_J, BLOCK_W] (zero past WIDTH) -> the finished entry, rounded to bf16, stored at out
     d = tl.arange(0, BLOCK_W)
     x = _round_bf16(p)
     weight = tl.load(NORM_W + d, mask=d < WIDTH, other=0.0)
@@ -110,27 +112,29 @@ def _finish(p, rows, COS, SIN, cs_off, NORM_W, eps, BLOCK_J: tl.constexpr):
     elif WIDTH > ROPE:
         q = _simulate(tl.where((d < WIDTH - ROPE)[None, :], e, 0.0), BLOCK_J, FP8_BLOCK, 3, -6, 448.0, FP8_FLOOR, POW2)
         e = tl.where((d < WIDTH - ROPE)[None, :], q, e)
-    return _round_bf16(e)
+    tl.store(out[:, None] + d[None, :], _round_bf16(e).to(tl.bfloat16), mask=rows[:, None] & (d < WIDTH)[None, :])
 '''
 
 _POOL = '''
 
 @triton.jit
-def {fn}(KV, SCORE, APE, COS, SIN, NORM_W, OUT, n_blocks, s_kb, s_ks, s_ob, s_on, s_cb, s_cn, eps,
-         BLOCK_J: tl.constexpr, CHUNK: tl.constexpr):
-    # one program: BLOCK_J consecutive entries, every dim; kv and score read once, the entry written once.
+def {fn}(KV, SCORE, APE, COS, SIN, NORM_W, OUT, POOLED, TICKETS, n_blocks, s_kb, s_ks, s_ob, s_on, s_cb, s_cn, eps,
+         BLOCK_J: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
+    # program (entries, dims): BLOCK_J consecutive entries x BLOCK_D dims; kv and score are read once. With
+    # every dim in the program it finishes and writes its entries; else it leaves its pooled dims in POOLED
+    # and the entries' last program to finish (a ticket, zeroed by the caller) finishes them all.
     # The decode state is one block (two with the overlap: previous | current) whose scores hold the bias.
     per_b = tl.cdiv(n_blocks, BLOCK_J)
     b = tl.program_id(0) // per_b
     jj = (tl.program_id(0) % per_b) * BLOCK_J + tl.arange(0, BLOCK_J)
     block = jj + (1 if STATE and OVERLAP else 0)
-    d = tl.arange(0, BLOCK_W)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = jj < n_blocks
     lane = rows[:, None, None] & (d < WIDTH)[None, None, :]
     cols = (2 if OVERLAP else 1) * WIDTH
-    m = tl.full([BLOCK_J, BLOCK_W], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_J, BLOCK_W], tl.float32)
-    acc = tl.zeros([BLOCK_J, BLOCK_W], tl.float32)
+    m = tl.full([BLOCK_J, BLOCK_D], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_J, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_J, BLOCK_D], tl.float32)
     cur = (WIDTH if OVERLAP else 0) + d
     for r0 in tl.static_range(0, RATIO, CHUNK):
         r = r0 + tl.arange(0, CHUNK)
@@ -151,9 +155,19 @@ def {fn}(KV, SCORE, APE, COS, SIN, NORM_W, OUT, n_blocks, s_kb, s_ks, s_ob, s_on
             z += tl.load(APE + r[None, :, None] * cols + d[None, None, :], mask=lane, other=0.0)
         m, s, acc = _absorb(m, s, acc, kv, z)
     pooled = tl.where((d < WIDTH)[None, :], acc / s, 0.0)
-    entry = _finish(pooled, rows, COS, SIN, b * s_cb + jj * s_cn, NORM_W, eps, BLOCK_J)
-    out = OUT + b * s_ob + jj[:, None] * s_on + d[None, :]
-    tl.store(out, entry.to(tl.bfloat16), mask=rows[:, None] & (d < WIDTH)[None, :])
+    cs_off = b * s_cb + jj * s_cn
+    out = OUT + b * s_ob + jj * s_on
+    if BLOCK_D < BLOCK_W:
+        here = POOLED + (tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J))[:, None] * BLOCK_W
+        tl.store(here + d[None, :], pooled)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(TICKETS + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(1) - 1:
+            w = tl.arange(0, BLOCK_W)
+            whole = tl.load(here + w[None, :], mask=(w < WIDTH)[None, :], other=0.0, cache_modifier=".cg")
+            _finish(whole, rows, COS, SIN, cs_off, NORM_W, eps, out, BLOCK_J)
+    else:
+        _finish(pooled, rows, COS, SIN, cs_off, NORM_W, eps, out, BLOCK_J)
 '''
 
 
@@ -179,25 +193,19 @@ def kernel_name(ratio: int, width: int, rotate: bool, state: bool) -> str:
 
 def launch_config(ratio: int, width: int, state: bool) -> dict[str, int]:
     """Tiles measured on the H200 (65536 tokens, width 512): a C4 main entry per program with 4 warps (159 us;
-    2 entries 175, 8 warps 184-302), several indexer entries per program; C128 blocks in 32-row chunks with 8
-    warps (95 us; 4-16 rows 107-488), the C128 state with 16 warps (23 us at batch 1; 32 warps 62)."""
+    2 entries 175, 8 warps 184-302), several indexer entries per program; a C128 block as the pooling kernel
+    reads it (all 128 rows, 64 dims a program), the last of an entry's programs finishing it (81 us; whole
+    entries per program in 4-32-row chunks: 95-488 us, too few programs)."""
     block_w = triton_next_pow2(width)
     if ratio * block_w <= 4096:
         block_j = 1 if state or block_w >= 512 else 4096 // (ratio * block_w)
-        return {"BLOCK_J": block_j, "CHUNK": ratio, "num_warps": 4}
-    chunk = min(ratio, max(1, 16384 // block_w))
-    return {"BLOCK_J": 1, "CHUNK": chunk, "num_warps": 16 if state else 8}
+        return {"BLOCK_J": block_j, "CHUNK": ratio, "BLOCK_D": block_w, "num_warps": 4}
+    return {"BLOCK_J": 1, "CHUNK": ratio, "BLOCK_D": min(64, block_w), "num_warps": 4}
 
 
-def supports(ratio: int, width: int, rope: int, rotate: bool) -> str | None:
-    """Why fusing the finish into this pooling does not pay or cannot be done (None when it can): C128-like blocks
-    lose more than they save, since the finish needs every dim of an entry in one program and a block's 128 rows
-    then leave too few programs (H200: prefill 95 vs 82 us for the pooling kernel + compiled finish, decode state
-    23 vs 8.5 us at batch 1); the rotation needs a power-of-two width of whole FP4 blocks, the main branch whole
-    FP8 blocks before the RoPE dims."""
-    if ratio > 8:
-        return (f"C{ratio} pools {ratio} rows per entry: a program per whole entry (the finish needs every dim) "
-                f"is slower than the pooling kernel plus a separate finish")
+def supports(width: int, rope: int, rotate: bool) -> str | None:
+    """Why the kernel cannot finish these entries (None when it can): the rotation needs a power-of-two width of
+    whole FP4 blocks, the main branch whole FP8 blocks before the RoPE dims."""
     if rope % 2 or not 0 < rope <= width:
         return f"RoPE dims {rope} are not an even count within the width {width}"
     if rotate and (width & (width - 1) or width % quant.FP4_BLOCK):
@@ -246,10 +254,15 @@ def _launch(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, cos: torch
     out = torch.empty(bsz, n_blocks, width, dtype=torch.bfloat16, device=kv.device)
     if out.numel():
         config = launch_config(ratio, width, state)
-        grid = (bsz * triton.cdiv(n_blocks, config["BLOCK_J"]),)
+        grid = (bsz * triton.cdiv(n_blocks, config["BLOCK_J"]), triton.cdiv(width, config["BLOCK_D"]))
+        split = grid[1] > 1  # entries finished by their last program, from the pooled dims left in scratch
+        pooled = torch.empty(grid[0] * config["BLOCK_J"] * triton_next_pow2(width) if split else 1,
+                             dtype=torch.float32, device=kv.device)
+        tickets = (torch.zeros if split else torch.empty)(grid[0] if split else 1, dtype=torch.int32,
+                                                          device=kv.device)
         REGISTRY.launch(name, lambda: kernel[grid](
-            kv, score, ape, cos, sin, norm_weight, out, n_blocks, kv.stride(0), kv.stride(1), out.stride(0),
-            out.stride(1), cos.stride(0), cos.stride(1), float(eps), **config))
+            kv, score, ape, cos, sin, norm_weight, out, pooled, tickets, n_blocks, kv.stride(0), kv.stride(1),
+            out.stride(0), out.stride(1), cos.stride(0), cos.stride(1), float(eps), **config))
         REGISTRY.note_launch(name, grid=grid, tokens=kv.shape[1], **config)
         if kv.device.type == "cuda" and REGISTRY.records[name].lowered is None:
             REGISTRY.set_lowered(name, lowered_text(kernel) or "")
