@@ -87,6 +87,29 @@ def test_compressor_entries_pool_and_finish_like_the_model(ratio: int, width: in
     assert REGISTRY.records[name].error is None
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:All-NaN slice:RuntimeWarning")
+def test_compressor_entries_edge_inputs() -> None:
+    """Overlap follows the shapes (not the ratio), a column of -inf scores gives the model's NaN entry, and dims
+    the kernel does not take run the reference, which names what is wrong."""
+    from v4compile.model.rope import rope_cos_sin, rope_frequencies
+
+    torch.manual_seed(7)
+    cos, sin = rope_cos_sin(rope_frequencies(64, 1e4, 0, 1, 32, 1), torch.arange(3) * 4)
+    weight = torch.rand(128) + 0.5
+    for c in (1, 2):  # ratio 4 without the overlap, then with it
+        kv, score, ape = torch.randn(2, 13, c * 128), torch.randn(2, 13, c * 128), torch.randn(4, c * 128)
+        args = (kv, score, ape, 4, 128, 3, cos, sin, weight, 1e-6, False, True)
+        _assert_finished_entries_match(ops.compressor_entries(*args, "triton"), reference.compressor_entries(*args))
+    kv, score = torch.randn(2, 8, 256), torch.randn(2, 8, 256)
+    score[1, :, 5] = score[1, :, 128 + 5] = float("-inf")  # dim 5 of row 1: no slot (of either half) written
+    args = (kv, score, 4, 128, cos[:2], sin[:2], weight, 1e-6, False, True)
+    got, want = ops.compressor_entry_state(*args, "triton"), reference.compressor_entry_state(*args)
+    assert want[1].isnan().all() and got[1].isnan().all() and torch.equal(got[0], want[0])
+    kv, score, ape = torch.randn(1, 12, 384), torch.randn(1, 12, 384), torch.randn(4, 384)
+    with pytest.raises(ValueError, match="power-of-two dim"):  # a rotation of 192 dims
+        ops.compressor_entries(kv, score, ape, 4, 192, 3, cos, sin, torch.ones(192), 1e-6, True, True, "triton")
+
+
 def _lowest_index_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Independent oracle: rank by (value desc, index asc) with Python's sort."""
     rows_v, rows_i = [], []

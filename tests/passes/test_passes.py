@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 import v4compile
-from v4compile import optimize
 from v4compile.debugging import explain, run_entries, sample_ids
 from v4compile.model import compressor as compressor_module
 from v4compile.model import indexer as indexer_module
@@ -33,8 +32,11 @@ def test_every_compressor_and_indexer_topk_is_rewritten(explained) -> None:
         # layers 1 and 3 are C4 (main width 128 + indexer width 64), layer 2 is C128
         assert kinds == sorted([(4, 128, form), (4, 64, form), (128, 128, form), (4, 128, form), (4, 64, form)])
         assert {m.location.module for m in matches} == {"layers.1", "layers.2", "layers.3"}
-        # the finish (norm, RoPE, FP8 or Hadamard + FP4) is fused: the indexer's width-64 entries are rotated
-        assert all(m.details["finish"] == ("hadamard_fp4" if m.details["width"] == 64 else "fp8") for m in matches)
+        # each entry's finish (norm, RoPE, FP8 or Hadamard + FP4) joins its pooling: the indexer's width-64
+        # entries are rotated
+        finished = _by_pass(report, "compressor_finish").matches
+        assert sorted((m.details["ratio"], m.details["width"], m.details["form"]) for m in finished) == kinds
+        assert all(m.details["finish"] == ("hadamard_fp4" if m.details["width"] == 64 else "fp8") for m in finished)
         topk = _by_pass(report, "radix_topk").matches
         assert len(topk) == 2 and all(m.details["masks_invalid"] for m in topk)
         assert all("indexer.py" in m.location.source for m in topk)
@@ -79,12 +81,36 @@ def test_a_different_finish_keeps_the_pooling_fused_and_says_why(monkeypatch: py
         return model_finish(rotated, cos * 0 + 1, sin * 0, norm_weight, eps, rotate, pow2_scales)
 
     monkeypatch.setattr(compressor_module, "finish_entries", rope_before_norm)
-    optimized = explain(tiny_model, backend="reference", entries=("forward",), passes=["compressor_fusion"])
-    matches = _by_pass(optimized.reports()[0], "compressor_fusion").matches
-    assert len(matches) == 5 and all(m.kernel.startswith("compressor_pool.") for m in matches)
-    assert all(m.details["finish"].startswith("not fused: ") for m in matches), [m.details for m in matches]
-    assert all("not finished as the model's finish_entries: it is applied to" in m.details["finish"]
-               for m in matches), [m.details for m in matches]
+    optimized = explain(tiny_model, backend="reference", entries=("forward",),
+                        passes=["compressor_fusion", "compressor_finish"])
+    report = optimized.reports()[0]
+    assert len(_by_pass(report, "compressor_fusion").matches) == 5
+    assert _by_pass(report, "compressor_finish").matches == []
+    reasons = [m.reason for m in _by_pass(report, "compressor_finish").near_misses]
+    assert len(reasons) == 5 and all("not finished as the model's finish_entries: it is applied to" in r
+                                     for r in reasons), reasons
+
+
+def test_a_finish_whose_intermediate_is_used_elsewhere_is_not_fused(monkeypatch: pytest.MonkeyPatch,
+                                                                   tiny_model: v4compile.DeepSeekV4) -> None:
+    def finish_and_reuse_the_norm(pooled, cos, sin, norm_weight, eps, rotate, pow2_scales):
+        """The model's finish, written out, whose normalized entries also feed another computation."""
+        e = compressor_module.rms_norm(pooled.to(torch.bfloat16), norm_weight, eps)
+        elsewhere = e.float().mean()
+        e = compressor_module.apply_rope(e, cos, sin)
+        if rotate:
+            out = compressor_module.quant.fp4_simulate(compressor_module.hadamard_rotate(e))
+        else:
+            nope = compressor_module.quant.fp8_simulate(e[..., :-64], 64, pow2_scales)
+            out = torch.cat((nope, e[..., -64:]), dim=-1)
+        return out + (0 * elsewhere).to(out.dtype)
+
+    monkeypatch.setattr(compressor_module, "finish_entries", finish_and_reuse_the_norm)
+    optimized = explain(tiny_model, backend="reference", entries=("forward",),
+                        passes=["compressor_fusion", "compressor_finish"])
+    stats = _by_pass(optimized.reports()[0], "compressor_finish")
+    assert stats.matches == [] and len(stats.near_misses) == 5
+    assert all("are used elsewhere" in m.reason for m in stats.near_misses), [m.reason for m in stats.near_misses]
 
 
 def test_an_unstable_sort_does_not_match(monkeypatch: pytest.MonkeyPatch, tiny_model: v4compile.DeepSeekV4) -> None:
@@ -111,7 +137,7 @@ def test_fuel_disable_and_dumps(tiny_model: v4compile.DeepSeekV4, tmp_path: Path
     assert not _by_pass(report, "radix_topk").enabled and not _by_pass(report, "radix_topk").matches
     files = sorted(p.name for p in (tmp_path / report.graph).iterdir())
     assert files == ["00-captured.txt", "01-after-compressor_fusion.txt", "report.json"]
-    assert "v4compile.compressor_entries" in (tmp_path / report.graph / "01-after-compressor_fusion.txt").read_text()
+    assert "v4compile.compressor_pool" in (tmp_path / report.graph / "01-after-compressor_fusion.txt").read_text()
 
 
 def test_pass_uuid_covers_options_and_is_stable() -> None:
@@ -123,14 +149,15 @@ def test_pass_uuid_covers_options_and_is_stable() -> None:
 def test_bad_names_are_clear_errors(tiny_model: v4compile.DeepSeekV4) -> None:
     with pytest.raises(ValueError, match=r"unknown backend 'cuda'; valid backends: auto, triton, tilelang, reference"):
         v4compile.optimize(tiny_model, backend="cuda")
-    with pytest.raises(ValueError, match=r"unknown pass 'fusion'; valid passes: compressor_fusion, radix_topk"):
+    with pytest.raises(ValueError,
+                       match=r"unknown pass 'fusion'; valid passes: compressor_fusion, compressor_finish, radix_topk"):
         v4compile.optimize(tiny_model, passes=["fusion"])
     with pytest.raises(ValueError, match=r"unknown pass 'nope'"):
         v4compile.optimize(tiny_model, disable=("nope",))
     with pytest.raises(ValueError, match=r"radix_topk has no options \['k'\]"):
         v4compile.optimize(tiny_model, options={"radix_topk": {"k": 3}})
-    assert set(PASSES) == {"compressor_fusion", "radix_topk", "mhc_tiling", "sparse_attention", "head_padding",
-                           "moe_dispatch", "stream_schedule"}
+    assert set(PASSES) == {"compressor_fusion", "compressor_finish", "radix_topk", "mhc_tiling", "sparse_attention",
+                           "head_padding", "moe_dispatch", "stream_schedule"}
 
 
 def test_a_model_that_is_not_v4_still_optimizes_and_the_report_says_so() -> None:
@@ -152,13 +179,8 @@ def test_tilelang_backend_names_the_kernels_that_really_run(tiny_model: v4compil
     kernels = {m.kernel for m in optimized.reports()[0].matches}
     assert "compressor_entry_state.c4.w128.fp8.triton" in kernels
     assert "radix_topk.k8.triton" in kernels
-    unfinished = optimize(tiny_model, backend="tilelang", inductor=False,
-                          options={"compressor_fusion": {"finish": False}})
-    run_entries(unfinished, sample_ids(tiny_model), ("decode",))
-    matches = unfinished.reports()[0].matches
-    assert "compressor_pool_state.c4.w128.tilelang" in {m.kernel for m in matches}
-    assert all(m.details["finish"] == "not fused: switched off (option finish=False)" for m in matches
-               if m.pass_name == "compressor_fusion")
+    unfinished = explain(tiny_model, backend="tilelang", entries=("decode",), disable=("compressor_finish",))
+    assert "compressor_pool_state.c4.w128.tilelang" in {m.kernel for m in unfinished.reports()[0].matches}
 
 
 def test_passes_run_through_the_inductor_custom_pass_interface(tiny_model: v4compile.DeepSeekV4) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .base import GraphPass
+from .compressor_finish import CompressorFinish
 from .compressor_fusion import CompressorFusion
 from .head_padding import HeadPadding
 from .mhc_tiling import MhcTiling
@@ -11,8 +12,8 @@ from .radix_topk import RadixTopK
 from .sparse_attention import SparseAttention
 from .stream_schedule import StreamSchedule
 
-PASS_ORDER: tuple[type[GraphPass], ...] = (CompressorFusion, RadixTopK, MhcTiling, SparseAttention, HeadPadding,
-                                              MoeDispatch, StreamSchedule)
+PASS_ORDER: tuple[type[GraphPass], ...] = (CompressorFusion, CompressorFinish, RadixTopK, MhcTiling, SparseAttention,
+                                              HeadPadding, MoeDispatch, StreamSchedule)
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in PASS_ORDER}
 
 

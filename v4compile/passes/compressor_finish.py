@@ -1,18 +1,23 @@
-"""The compressor's finish after its pooled entries (RMSNorm, RoPE, then FP8 simulation or the Hadamard rotation
-and FP4 simulation), found by matching the model's own ``finish_entries`` traced to ATen, so that
-``compressor_fusion`` can emit one kernel that pools and finishes."""
+"""``compressor_finish``: the entry's finish after the compressor's pooling (RMSNorm, RoPE, then FP8 simulation or
+the Hadamard rotation and FP4 simulation) joins the pooling kernel, which then writes the bf16 cache entry.
+
+Runs after ``compressor_fusion``: its anchors are the pooling ops that pass emitted. The finish is found by
+matching the model's own ``finish_entries`` traced to ATen (``template.bind``) over the pooled entries.
+"""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 from torch import fx
 
+from ..codegen import ops
 from ..model.compressor import finish_entries
-from .base import NoMatch, is_op, only_user, shape
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, only_user, shape
 from .template import Binding, Template, bind, trace
 
 aten = torch.ops.aten
@@ -75,12 +80,10 @@ def _template(pooled: tuple[int, ...], rope: int, eps: float, rotate: bool, pow2
     return trace(lambda p, cos, sin, w: finish_entries(p, cos, sin, w, eps, rotate, pow2), example)
 
 
-def find_finish(pooled: fx.Node) -> Finish:
-    """The finish applied to ``pooled`` (its only use), or NoMatch naming what differs from the model's."""
+def find_finish(pooled: fx.Node, dims: tuple[int, ...]) -> Finish:
+    """The finish applied to ``pooled`` (its only use; entries of shape ``dims``), or NoMatch naming what differs
+    from the model's."""
     only_user(pooled, "the pooled entries have other uses than one finish")
-    dims = shape(pooled)
-    if dims is None:
-        raise NoMatch("the pooled entries have a dynamic shape")
     after = _after(pooled)
     eps, rope = _eps(after), _rope_dims(after, dims[-1])
     best: Binding | None = None
@@ -92,6 +95,10 @@ def find_finish(pooled: fx.Node) -> Finish:
             binding = bind(template, node)
             if binding.inputs is not None and binding.inputs[0] is pooled:
                 _, cos, sin, weight = binding.inputs
+                shared = sorted(n.name for n in binding.region - {node} if not set(n.users) <= binding.region)
+                if shared:
+                    raise NoMatch(f"intermediate values of the finish ({', '.join(shared)}) are used elsewhere: "
+                                  f"fused, the pooling and finish would be computed twice")
                 return Finish(node, cos, sin, weight, eps, rotate, pow2, rope)
             if binding.inputs is not None:
                 binding.reason = (f"it is applied to {binding.inputs[0].name}, computed from the pooled entries, "
@@ -100,3 +107,50 @@ def find_finish(pooled: fx.Node) -> Finish:
                 best = binding
     raise NoMatch(f"the pooled entries are not finished as the model's finish_entries: "
                   f"{best.reason if best else 'nothing after them ends like it'}")
+
+
+def _pooled_value(pool: fx.Node) -> fx.Node:
+    """The node the finish reads: the pooling op, or in check mode the recorder that passes its value on."""
+    users = list(pool.users)
+    if len(users) == 1 and str(getattr(users[0].target, "__name__", "")).startswith("check_"):
+        return users[0]
+    return pool
+
+
+class CompressorFinish(GraphPass):
+    """The model's finish of pooled compressor entries -> the pooling kernel's epilogue."""
+
+    name = "compressor_finish"
+    summary = "fuse the entry's RMSNorm + RoPE + FP8 (or Hadamard + FP4) simulation into the pooling kernel"
+    matches = "finish_entries(compressor_pool(...) or compressor_pool_state(...), cos, sin, norm weight)"
+    tolerance = 0.67
+    """The pooling kernel's own fp32 rounding (~1e-7 relative) can move a value across a bf16 boundary and then
+    across a quantization grid step: at most one FP4 step, two thirds of a block's largest value (an FP8 step
+    is at most an eighth). Otherwise the fused entries are bitwise the unfused ones."""
+
+    def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
+        """The pooling ops ``compressor_fusion`` emitted."""
+        pools = (torch.ops.v4compile.compressor_pool, torch.ops.v4compile.compressor_pool_state)
+        return [n for n in gm.graph.nodes if is_op(n, *pools)]
+
+    def analyze(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
+        """The finish after the pooled entries, on dims the finishing kernel takes."""
+        from ..codegen.triton.compressor_finish import supports
+
+        *pool_args, backend = node.args
+        state = is_op(node, torch.ops.v4compile.compressor_pool_state)
+        ratio, width = pool_args[-2:] if state else pool_args[-3:-1]
+        rows = (shape(pool_args[0]) or (None,))[0]
+        if rows is None:
+            raise NoMatch("the pooled entries have a dynamic shape")
+        finish = find_finish(_pooled_value(node), (rows, width) if state else (rows, pool_args[-1], width))
+        unsupported = supports(width, finish.rope, finish.rotate)
+        if unsupported:
+            raise NoMatch(unsupported)
+        name = "compressor_entry_state" if state else "compressor_entries"
+        form = "hadamard_fp4" if finish.rotate else "fp8"
+        kernel = f"{name}.c{ratio}.w{width}.{form}.{ops.implementation_backend(name, backend)}"
+        args = (*pool_args, finish.cos, finish.sin, finish.weight, finish.eps, finish.rotate, finish.pow2, backend)
+        return Rewrite(finish.output, getattr(ops, name), args, kernel,
+                       {"form": "decode" if state else "prefill", "ratio": ratio, "width": width, "finish": form,
+                        "rope": finish.rope, "pow2_scales": finish.pow2})

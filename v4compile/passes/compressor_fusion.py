@@ -3,9 +3,9 @@
 Prefill form: ``(blocks(kv) * softmax(blocks(score) + ape, over a block's tokens)).sum(tokens)``
 (C128), or the overlapping C4 form whose softmax spans block j-1's first half and block j's second
 half. Decode-state form: the same softmax-weighted sum over the rows of the compressor state.
-Both read kv and score once and never materialise the blocked, shifted or concatenated views. Where the
-model's finish follows (RMSNorm, RoPE, FP8 or Hadamard + FP4 simulation: ``compressor_finish.find_finish``) and
-the kernel takes its dims, it is fused too: the kernel writes the bf16 cache entry.
+Both read kv and score once and never materialise the blocked, shifted or concatenated views. The entry's
+finish that follows (norm, RoPE, quantization) is fused into the same kernel by the next pass,
+``compressor_finish``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from torch import fx
 
 from ..codegen import ops
 from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, only_user, shape
-from .compressor_finish import find_finish
 
 aten = torch.ops.aten
 END = 2**63 - 1
@@ -112,17 +111,9 @@ class CompressorFusion(GraphPass):
     """Softmax-pooled KV compression (C4 overlap and C128; prefill and decode state) -> one kernel."""
 
     name = "compressor_fusion"
-    summary = ("fuse the compressor's bias + per-dim softmax over a block's tokens + weighted sum, and the entry's "
-               "RMSNorm + RoPE + FP8 or Hadamard + FP4 simulation after it, into one kernel")
+    summary = "fuse the compressor's bias + per-dim softmax over a block's tokens + weighted sum into one kernel"
     matches = ("(kv_blocks * softmax(score_blocks + ape, dim=slots)).sum(slots), C128 or C4-overlap, "
                "prefill [B,N,slots,w] or decode state [B,slots,w]")
-
-    tolerance = 0.67
-    """The pooling alone differs from the model's by fp32 rounding (~1e-7), but with the finish fused that
-    rounding can move a value across a bf16 boundary and then across an FP4 (or FP8) grid step: at most one
-    FP4 step, two thirds of a block's largest value (an FP8 step is at most an eighth)."""
-    option_help = {"finish": "fuse the entry's norm, RoPE and quantization into the pooling kernel (default True; "
-                             "the finishing kernel is Triton's, so False keeps TileLang's pooling under that backend)"}
 
     def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
         """Every softmax: the pooling's anchor."""
@@ -170,10 +161,9 @@ class CompressorFusion(GraphPass):
         if kv_blocks != n_blocks or shape(kv_src) != shape(score_src):
             raise NoMatch("kv and score are blocked differently")
         kernel = f"compressor_pool.c{ratio}.w{width}.{ops.implementation_backend('compressor_pool', ctx.backend)}"
-        pool = Rewrite(w.total, ops.compressor_pool, (kv_src, score_src, ape, ratio, width, n_blocks, ctx.backend),
+        return Rewrite(w.total, ops.compressor_pool, (kv_src, score_src, ape, ratio, width, n_blocks, ctx.backend),
                        kernel, {"form": "prefill", "ratio": ratio, "width": width, "overlap": overlap,
                                 "blocks": n_blocks})
-        return self._with_finish(pool, "compressor_entries", (kv_src, score_src, ape, ratio, width, n_blocks), ctx)
 
     def _decode(self, w: _Window, ctx: RewriteContext) -> Rewrite:
         score, values, ratio, width, overlap = w.score, w.values, w.ratio, w.width, w.overlap
@@ -187,29 +177,5 @@ class CompressorFusion(GraphPass):
                           f"compressor state (C128 states have 128 rows)")
         impl = ops.implementation_backend("compressor_pool_state", ctx.backend)
         kernel = f"compressor_pool_state.c{ratio}.w{width}.{impl}"
-        pool = Rewrite(w.total, ops.compressor_pool_state, (values, score, ratio, width, ctx.backend), kernel,
+        return Rewrite(w.total, ops.compressor_pool_state, (values, score, ratio, width, ctx.backend), kernel,
                        {"form": "decode", "ratio": ratio, "width": width, "overlap": overlap})
-        return self._with_finish(pool, "compressor_entry_state", (values, score, ratio, width), ctx)
-
-    def _with_finish(self, pool: Rewrite, name: str, pool_args: tuple[object, ...], ctx: RewriteContext) -> Rewrite:
-        """The pooling and the finish that follows it as one op, or the pooling alone with the reason in its
-        details (switched off, no finish like the model's, or dims the finishing kernel does not take)."""
-        from ..codegen.triton.compressor_finish import supports
-
-        ratio, width = pool.details["ratio"], pool.details["width"]
-        try:
-            if not self.options.get("finish", True):
-                raise NoMatch("switched off (option finish=False)")
-            finish = find_finish(pool.sink)
-            unsupported = supports(width, finish.rope, finish.rotate)
-            if unsupported:
-                raise NoMatch(unsupported)
-        except NoMatch as miss:
-            pool.details["finish"] = f"not fused: {miss}"
-            return pool
-        form = "hadamard_fp4" if finish.rotate else "fp8"
-        kernel = f"{name}.c{ratio}.w{width}.{form}.{ops.implementation_backend(name, ctx.backend)}"
-        args = (*pool_args, finish.cos, finish.sin, finish.weight, finish.eps, finish.rotate, finish.pow2,
-                ctx.backend)
-        return Rewrite(finish.output, getattr(ops, name), args, kernel,
-                       {**pool.details, "finish": form, "rope": finish.rope})

@@ -11,7 +11,7 @@ dtype). A mismatch names the op the template expects and what the graph has ther
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +42,9 @@ class Binding:
     inputs: list[fx.Node] | None
     reason: str
     matched: int
+    region: set[fx.Node] = field(default_factory=set)
+    """The graph nodes the template's operations matched (no-op casts between them included), without the
+    inputs and constants they read: what a rewrite of the whole match replaces."""
 
 
 def trace(fn: Callable[..., torch.Tensor], example: list[torch.Tensor]) -> Template:
@@ -80,6 +83,7 @@ class _Matcher:
     def __init__(self, template: Template) -> None:
         self.template = template
         self.pairs: dict[fx.Node, fx.Node] = {}
+        self.casts: set[fx.Node] = set()
         self.reason = ""
 
     def fail(self, reason: str) -> bool:
@@ -87,7 +91,11 @@ class _Matcher:
         return False
 
     def node(self, p: fx.Node, g: Any) -> bool:
-        p, g = skip_noop_casts(p), skip_noop_casts(g)
+        p, skipped = skip_noop_casts(p), g
+        g = skip_noop_casts(g)
+        while isinstance(skipped, fx.Node) and skipped is not g:
+            self.casts.add(skipped)
+            skipped = skipped.args[0]
         if not isinstance(g, fx.Node):
             return self.fail(f"expected a tensor for {p.target if p.op == 'call_function' else p.name}, found {g!r}")
         if p in self.pairs:
@@ -127,6 +135,7 @@ def bind(template: Template, node: fx.Node) -> Binding:
     """Matches ``template`` against the graph region ending at ``node``; see the module docstring."""
     matcher = _Matcher(template)
     if matcher.node(template.output, node):
+        operations = {g for p, g in matcher.pairs.items() if p.op == "call_function"}
         return Binding([skip_noop_casts(matcher.pairs[p]) if p in matcher.pairs else None
-                        for p in template.inputs], "", len(matcher.pairs))
+                        for p in template.inputs], "", len(matcher.pairs), operations | matcher.casts)
     return Binding(None, matcher.reason, len(matcher.pairs))

@@ -43,6 +43,10 @@ def {fn}(KV, SCORE, APE, OUT, n_blocks, s_kb, s_ks, s_ob, s_on,
     # one program: BLOCK_J consecutive entries x BLOCK_D dims; kv and score are read once
     per_b = tl.cdiv(n_blocks, BLOCK_J)
     b = tl.program_id(0) // per_b
+    # the sequence's rows from 64-bit base pointers (a batch may exceed 2**31 elements), in-row offsets in 32 bits
+    KV += b.to(tl.int64) * s_kb
+    SCORE += b.to(tl.int64) * s_kb
+    OUT += b.to(tl.int64) * s_ob
     jj = (tl.program_id(0) % per_b) * BLOCK_J + tl.arange(0, BLOCK_J)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cols = (2 if OVERLAP else 1) * WIDTH
@@ -54,7 +58,7 @@ def {fn}(KV, SCORE, APE, OUT, n_blocks, s_kb, s_ks, s_ob, s_on,
     for r0 in tl.static_range(0, RATIO, CHUNK):
         r = r0 + tl.arange(0, CHUNK)
         rows = jj[:, None, None] * RATIO + r[None, :, None]
-        ptr = b * s_kb + rows * s_ks + cur[None, None, :]
+        ptr = rows * s_ks + cur[None, None, :]
         kv = tl.load(KV + ptr, mask=lane, other=0.0).to(ACC)
         bias = tl.load(APE + r[None, :, None] * cols + cur[None, None, :], mask=lane, other=0.0).to(ACC)
         z = tl.load(SCORE + ptr, mask=lane, other=0.0).to(ACC) + bias
@@ -63,12 +67,12 @@ def {fn}(KV, SCORE, APE, OUT, n_blocks, s_kb, s_ks, s_ob, s_on,
         r = tl.arange(0, RATIO)
         rows = (jj[:, None, None] - 1) * RATIO + r[None, :, None]
         prev = lane & (rows >= 0)
-        ptr = b * s_kb + rows * s_ks + d[None, None, :]
+        ptr = rows * s_ks + d[None, None, :]
         kv = tl.load(KV + ptr, mask=prev, other=0.0).to(ACC)
         bias = tl.load(APE + r[None, :, None] * cols + d[None, None, :], mask=lane, other=0.0).to(ACC)
         z = tl.load(SCORE + ptr, mask=prev, other=float("-inf")).to(ACC) + bias
         m, s, acc = _absorb(m, s, acc, kv, z)
-    out = OUT + b * s_ob + jj[:, None] * s_on + d[None, :]
+    out = OUT + jj[:, None] * s_on + d[None, :]
     tl.store(out, acc / s, mask=(jj < n_blocks)[:, None] & (d < WIDTH)[None, :])
 '''
 

@@ -19,6 +19,7 @@ import torch
 import triton
 
 from ...model import quant
+from .. import reference
 from ..registry import REGISTRY
 from .compressor import ABSORB, triton_next_pow2
 from .launch import ROUND_BF16, load_triton_module, lowered_text
@@ -112,7 +113,9 @@ def _finish(p, rows, COS, SIN, cs_off, NORM_W, eps, out, BLOCK_J: tl.constexpr):
     elif WIDTH > ROPE:
         q = _simulate(tl.where((d < WIDTH - ROPE)[None, :], e, 0.0), BLOCK_J, FP8_BLOCK, 3, -6, 448.0, FP8_FLOOR, POW2)
         e = tl.where((d < WIDTH - ROPE)[None, :], q, e)
-    tl.store(out[:, None] + d[None, :], _round_bf16(e).to(tl.bfloat16), mask=rows[:, None] & (d < WIDTH)[None, :])
+    # a NaN pooled value (a column of -inf scores) makes the model's whole entry NaN; max/min above drop NaNs
+    e = tl.where((tl.sum((p != p).to(tl.int32), axis=1) > 0)[:, None], float("nan"), _round_bf16(e))
+    tl.store(out[:, None] + d[None, :], e.to(tl.bfloat16), mask=rows[:, None] & (d < WIDTH)[None, :])
 '''
 
 _POOL = '''
@@ -126,6 +129,10 @@ def {fn}(KV, SCORE, APE, COS, SIN, NORM_W, OUT, POOLED, TICKETS, n_blocks, s_kb,
     # The decode state is one block (two with the overlap: previous | current) whose scores hold the bias.
     per_b = tl.cdiv(n_blocks, BLOCK_J)
     b = tl.program_id(0) // per_b
+    # the sequence's rows from 64-bit base pointers (a batch may exceed 2**31 elements), in-row offsets in 32 bits
+    KV += b.to(tl.int64) * s_kb
+    SCORE += b.to(tl.int64) * s_kb
+    OUT += b.to(tl.int64) * s_ob
     jj = (tl.program_id(0) % per_b) * BLOCK_J + tl.arange(0, BLOCK_J)
     block = jj + (1 if STATE and OVERLAP else 0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -138,7 +145,7 @@ def {fn}(KV, SCORE, APE, COS, SIN, NORM_W, OUT, POOLED, TICKETS, n_blocks, s_kb,
     cur = (WIDTH if OVERLAP else 0) + d
     for r0 in tl.static_range(0, RATIO, CHUNK):
         r = r0 + tl.arange(0, CHUNK)
-        ptr = b * s_kb + (block[:, None, None] * RATIO + r[None, :, None]) * s_ks + cur[None, None, :]
+        ptr = (block[:, None, None] * RATIO + r[None, :, None]) * s_ks + cur[None, None, :]
         kv = tl.load(KV + ptr, mask=lane, other=0.0)
         z = tl.load(SCORE + ptr, mask=lane, other=0.0)
         if not STATE:
@@ -148,7 +155,7 @@ def {fn}(KV, SCORE, APE, COS, SIN, NORM_W, OUT, POOLED, TICKETS, n_blocks, s_kb,
         r = tl.arange(0, RATIO)
         at = (block[:, None, None] - 1) * RATIO + r[None, :, None]
         prev = lane & (at >= 0)
-        ptr = b * s_kb + at * s_ks + d[None, None, :]
+        ptr = at * s_ks + d[None, None, :]
         kv = tl.load(KV + ptr, mask=prev, other=0.0)
         z = tl.load(SCORE + ptr, mask=prev, other=float("-inf"))
         if not STATE:
@@ -156,7 +163,7 @@ def {fn}(KV, SCORE, APE, COS, SIN, NORM_W, OUT, POOLED, TICKETS, n_blocks, s_kb,
         m, s, acc = _absorb(m, s, acc, kv, z)
     pooled = tl.where((d < WIDTH)[None, :], acc / s, 0.0)
     cs_off = b * s_cb + jj * s_cn
-    out = OUT + b * s_ob + jj * s_on
+    out = OUT + jj * s_on
     if BLOCK_D < BLOCK_W:
         here = POOLED + (tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J))[:, None] * BLOCK_W
         tl.store(here + d[None, :], pooled)
@@ -215,13 +222,14 @@ def supports(width: int, rope: int, rotate: bool) -> str | None:
     return None
 
 
-def _kernel(ratio: int, width: int, rope: int, rotate: bool, pow2: bool, state: bool, interpret: bool):
+def _kernel(ratio: int, width: int, overlap: bool, rope: int, rotate: bool, pow2: bool, state: bool,
+            interpret: bool):
     name = kernel_name(ratio, width, rotate, state)
     fn = name.split(".")[0]
     block_w = triton_next_pow2(width)
 
     def source() -> str:
-        header = _HEADER.format(ratio=ratio, width=width, overlap=ratio == 4, state=state, rope=rope, rotate=rotate,
+        header = _HEADER.format(ratio=ratio, width=width, overlap=overlap, state=state, rope=rope, rotate=rotate,
                                 pow2=pow2, block_w=block_w, fp8_block=quant.FP8_KV_BLOCK, fp4_block=quant.FP4_BLOCK,
                                 fp8_floor=quant.FP8_AMAX_FLOOR, fp4_floor=quant.FP4_AMAX_FLOOR,
                                 inv_sqrt_w=1.0 / math.sqrt(width))
@@ -229,7 +237,7 @@ def _kernel(ratio: int, width: int, rope: int, rotate: bool, pow2: bool, state: 
         return header + ABSORB + ROUND_BF16 + _GRID + hadamard + _FINISH + _POOL.format(fn=fn)
 
     module = REGISTRY.build(name, "triton", f"v4compile::{fn}", source,
-                            lambda path: load_triton_module(path, interpret), key=(rope, pow2, interpret))
+                            lambda path: load_triton_module(path, interpret), key=(overlap, rope, pow2, interpret))
     return name, getattr(module, fn)
 
 
@@ -250,7 +258,8 @@ def _launch(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, cos: torch
     cos, sin = _per_entry(cos, bsz, n_blocks, state), _per_entry(sin, bsz, n_blocks, state)
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    name, kernel = _kernel(ratio, width, rope, rotate, pow2, state, kv.device.type != "cuda")
+    overlap = kv.shape[-1] == 2 * width
+    name, kernel = _kernel(ratio, width, overlap, rope, rotate, pow2, state, kv.device.type != "cuda")
     out = torch.empty(bsz, n_blocks, width, dtype=torch.bfloat16, device=kv.device)
     if out.numel():
         config = launch_config(ratio, width, state)
@@ -272,14 +281,20 @@ def _launch(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, cos: torch
 def compressor_entries(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, width: int,
                        n_blocks: int, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                        rotate: bool, pow2_scales: bool) -> torch.Tensor:
-    """Triton body of ``v4compile::compressor_entries``."""
+    """Triton body of ``v4compile::compressor_entries`` (dims the kernel does not take run the reference)."""
+    if supports(width, 2 * cos.shape[-1], rotate):
+        return reference.compressor_entries(kv, score, ape, ratio, width, n_blocks, cos, sin, norm_weight, eps,
+                                            rotate, pow2_scales)
     return _launch(kv, score, ape, cos, sin, norm_weight, eps, ratio, width, n_blocks, rotate, pow2_scales, False)
 
 
 def compressor_entry_state(kv_state: torch.Tensor, score_state: torch.Tensor, ratio: int, width: int,
                            cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float, rotate: bool,
                            pow2_scales: bool) -> torch.Tensor:
-    """Triton body of ``v4compile::compressor_entry_state``."""
+    """Triton body of ``v4compile::compressor_entry_state`` (dims the kernel does not take run the reference)."""
+    if supports(width, 2 * cos.shape[-1], rotate):
+        return reference.compressor_entry_state(kv_state, score_state, ratio, width, cos, sin, norm_weight, eps,
+                                                rotate, pow2_scales)
     no_bias = kv_state.new_zeros(())
     return _launch(kv_state, score_state, no_bias, cos, sin, norm_weight, eps, ratio, width, 1, rotate,
                    pow2_scales, True)
