@@ -47,7 +47,7 @@ def test_kernels_show_prints_source_and_launch(capsys: pytest.CaptureFixture) ->
                  "--show", "compressor_entry_state.c128.w128.fp8.triton"]) == 0
     out = capsys.readouterr().out
     assert "@triton.jit" in out and "RATIO = tl.constexpr(128)" in out and "def _hadamard" not in out
-    assert "grid" in out and "compressor_fusion @" in out
+    assert "grid" in out and "compressor_finish @" in out
     assert main(["kernels", "--entry", "decode", "--show", "nope"]) == 2
 
 

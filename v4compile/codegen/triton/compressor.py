@@ -20,7 +20,7 @@ OVERLAP = tl.constexpr({overlap})
 ACC = tl.constexpr({acc})
 '''
 
-ABSORB = '''
+POOL_TILE = '''
 
 @triton.jit
 def _absorb(m, s, acc, kv, z):
@@ -31,49 +31,70 @@ def _absorb(m, s, acc, kv, z):
     scale = tl.exp(m - shift)
     e = tl.exp(z - shift[:, None, :])
     return m_new, s * scale + tl.sum(e, axis=1), acc * scale + tl.sum(e * kv, axis=1)
-'''
-"""The online-softmax step of the pooling kernels (also the finishing kernel's, ``compressor_finish.py``)."""
-
-_POOL = _HEADER + ABSORB + '''
 
 
 @triton.jit
-def {fn}(KV, SCORE, APE, OUT, n_blocks, s_kb, s_ks, s_ob, s_on,
-         BLOCK_J: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
-    # one program: BLOCK_J consecutive entries x BLOCK_D dims; kv and score are read once
+def _program_tile(KV, SCORE, OUT, n_blocks, s_kb, s_ob, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr):
+    # program (b * entry groups, dim tiles): sequence b's rows (64-bit base pointers: a batch may exceed 2**31
+    # elements; in-row offsets stay 32-bit), its BLOCK_J entries jj and BLOCK_D dims d
     per_b = tl.cdiv(n_blocks, BLOCK_J)
     b = tl.program_id(0) // per_b
-    # the sequence's rows from 64-bit base pointers (a batch may exceed 2**31 elements), in-row offsets in 32 bits
-    KV += b.to(tl.int64) * s_kb
-    SCORE += b.to(tl.int64) * s_kb
-    OUT += b.to(tl.int64) * s_ob
+    rows = b.to(tl.int64)
     jj = (tl.program_id(0) % per_b) * BLOCK_J + tl.arange(0, BLOCK_J)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    return KV + rows * s_kb, SCORE + rows * s_kb, OUT + rows * s_ob, b, jj, d
+
+
+@triton.jit
+def _pool_tile(KV, SCORE, APE, block, lane, d, s_ks, BIAS: tl.constexpr, BLOCK_J: tl.constexpr,
+               CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
+    # the softmax-weighted sums of entries ``block`` [BLOCK_J] over dims ``d`` [BLOCK_D] (KV, SCORE at the
+    # sequence's first row); kv and score read once, RATIO rows CHUNK at a time, then (overlapping) block - 1's
+    # first half. BIAS adds the positional bias (a decode state's scores already hold it).
     cols = (2 if OVERLAP else 1) * WIDTH
-    lane = (jj < n_blocks)[:, None, None] & (d < WIDTH)[None, None, :]
     m = tl.full([BLOCK_J, BLOCK_D], float("-inf"), ACC)
     s = tl.zeros([BLOCK_J, BLOCK_D], ACC)
     acc = tl.zeros([BLOCK_J, BLOCK_D], ACC)
     cur = (WIDTH if OVERLAP else 0) + d
     for r0 in tl.static_range(0, RATIO, CHUNK):
         r = r0 + tl.arange(0, CHUNK)
-        rows = jj[:, None, None] * RATIO + r[None, :, None]
-        ptr = rows * s_ks + cur[None, None, :]
+        ptr = (block[:, None, None] * RATIO + r[None, :, None]) * s_ks + cur[None, None, :]
         kv = tl.load(KV + ptr, mask=lane, other=0.0).to(ACC)
-        bias = tl.load(APE + r[None, :, None] * cols + cur[None, None, :], mask=lane, other=0.0).to(ACC)
+        if BIAS:
+            bias = tl.load(APE + r[None, :, None] * cols + cur[None, None, :], mask=lane, other=0.0).to(ACC)
+        else:
+            bias = 0.0
         z = tl.load(SCORE + ptr, mask=lane, other=0.0).to(ACC) + bias
         m, s, acc = _absorb(m, s, acc, kv, z)
     if OVERLAP:
         r = tl.arange(0, RATIO)
-        rows = (jj[:, None, None] - 1) * RATIO + r[None, :, None]
+        rows = (block[:, None, None] - 1) * RATIO + r[None, :, None]
         prev = lane & (rows >= 0)
         ptr = rows * s_ks + d[None, None, :]
         kv = tl.load(KV + ptr, mask=prev, other=0.0).to(ACC)
-        bias = tl.load(APE + r[None, :, None] * cols + d[None, None, :], mask=lane, other=0.0).to(ACC)
+        if BIAS:
+            bias = tl.load(APE + r[None, :, None] * cols + d[None, None, :], mask=lane, other=0.0).to(ACC)
+        else:
+            bias = 0.0
         z = tl.load(SCORE + ptr, mask=prev, other=float("-inf")).to(ACC) + bias
         m, s, acc = _absorb(m, s, acc, kv, z)
+    return acc / s
+'''
+"""A program's tile and the pooling of its entries, shared by the pooling kernel and the finishing one
+(``compressor_finish.py``); the module defines RATIO, WIDTH, OVERLAP and ACC."""
+
+_POOL = _HEADER + POOL_TILE + '''
+
+
+@triton.jit
+def {fn}(KV, SCORE, APE, OUT, n_blocks, s_kb, s_ks, s_ob, s_on,
+         BLOCK_J: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
+    # one program: BLOCK_J consecutive entries x BLOCK_D dims
+    KV, SCORE, OUT, b, jj, d = _program_tile(KV, SCORE, OUT, n_blocks, s_kb, s_ob, BLOCK_J, BLOCK_D)
+    lane = (jj < n_blocks)[:, None, None] & (d < WIDTH)[None, None, :]
+    pooled = _pool_tile(KV, SCORE, APE, jj, lane, d, s_ks, True, BLOCK_J, CHUNK, BLOCK_D)
     out = OUT + jj[:, None] * s_on + d[None, :]
-    tl.store(out, acc / s, mask=(jj < n_blocks)[:, None] & (d < WIDTH)[None, :])
+    tl.store(out, pooled, mask=(jj < n_blocks)[:, None] & (d < WIDTH)[None, :])
 '''
 
 

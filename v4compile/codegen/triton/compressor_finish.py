@@ -21,7 +21,8 @@ import triton
 from ...model import quant
 from .. import reference
 from ..registry import REGISTRY
-from .compressor import ABSORB, triton_next_pow2
+from .compressor import POOL_TILE, triton_next_pow2
+from .formats import FORMATS_SOURCE
 from .launch import ROUND_BF16, load_triton_module, lowered_text
 
 _HEADER = '''
@@ -32,6 +33,8 @@ RATIO = tl.constexpr({ratio})
 WIDTH = tl.constexpr({width})
 OVERLAP = tl.constexpr({overlap})
 STATE = tl.constexpr({state})
+HAS_BIAS = tl.constexpr({has_bias})  # a decode state's scores already hold the positional bias
+ACC = tl.constexpr(tl.float32)
 ROPE = tl.constexpr({rope})
 ROTATE = tl.constexpr({rotate})
 POW2 = tl.constexpr({pow2})
@@ -45,12 +48,6 @@ ROUND_INT = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + it - it rounds |x| < 2*
 '''
 
 _GRID = '''
-
-@triton.jit
-def _exp2i(e):
-    # exact 2**e for integer e in the normal range
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
 
 @triton.jit
 def _floor_log2(x):
@@ -127,41 +124,12 @@ def {fn}(KV, SCORE, APE, COS, SIN, NORM_W, OUT, POOLED, TICKETS, n_blocks, s_kb,
     # every dim in the program it finishes and writes its entries; else it leaves its pooled dims in POOLED
     # and the entries' last program to finish (a ticket, zeroed by the caller) finishes them all.
     # The decode state is one block (two with the overlap: previous | current) whose scores hold the bias.
-    per_b = tl.cdiv(n_blocks, BLOCK_J)
-    b = tl.program_id(0) // per_b
-    # the sequence's rows from 64-bit base pointers (a batch may exceed 2**31 elements), in-row offsets in 32 bits
-    KV += b.to(tl.int64) * s_kb
-    SCORE += b.to(tl.int64) * s_kb
-    OUT += b.to(tl.int64) * s_ob
-    jj = (tl.program_id(0) % per_b) * BLOCK_J + tl.arange(0, BLOCK_J)
+    KV, SCORE, OUT, b, jj, d = _program_tile(KV, SCORE, OUT, n_blocks, s_kb, s_ob, BLOCK_J, BLOCK_D)
     block = jj + (1 if STATE and OVERLAP else 0)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = jj < n_blocks
     lane = rows[:, None, None] & (d < WIDTH)[None, None, :]
-    cols = (2 if OVERLAP else 1) * WIDTH
-    m = tl.full([BLOCK_J, BLOCK_D], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_J, BLOCK_D], tl.float32)
-    acc = tl.zeros([BLOCK_J, BLOCK_D], tl.float32)
-    cur = (WIDTH if OVERLAP else 0) + d
-    for r0 in tl.static_range(0, RATIO, CHUNK):
-        r = r0 + tl.arange(0, CHUNK)
-        ptr = (block[:, None, None] * RATIO + r[None, :, None]) * s_ks + cur[None, None, :]
-        kv = tl.load(KV + ptr, mask=lane, other=0.0)
-        z = tl.load(SCORE + ptr, mask=lane, other=0.0)
-        if not STATE:
-            z += tl.load(APE + r[None, :, None] * cols + cur[None, None, :], mask=lane, other=0.0)
-        m, s, acc = _absorb(m, s, acc, kv, z)
-    if OVERLAP:
-        r = tl.arange(0, RATIO)
-        at = (block[:, None, None] - 1) * RATIO + r[None, :, None]
-        prev = lane & (at >= 0)
-        ptr = at * s_ks + d[None, None, :]
-        kv = tl.load(KV + ptr, mask=prev, other=0.0)
-        z = tl.load(SCORE + ptr, mask=prev, other=float("-inf"))
-        if not STATE:
-            z += tl.load(APE + r[None, :, None] * cols + d[None, None, :], mask=lane, other=0.0)
-        m, s, acc = _absorb(m, s, acc, kv, z)
-    pooled = tl.where((d < WIDTH)[None, :], acc / s, 0.0)
+    pooled = _pool_tile(KV, SCORE, APE, block, lane, d, s_ks, HAS_BIAS, BLOCK_J, CHUNK, BLOCK_D)
+    pooled = tl.where((d < WIDTH)[None, :], pooled, 0.0)
     cs_off = b * s_cb + jj * s_cn
     out = OUT + jj * s_on
     if BLOCK_D < BLOCK_W:
@@ -229,12 +197,13 @@ def _kernel(ratio: int, width: int, overlap: bool, rope: int, rotate: bool, pow2
     block_w = triton_next_pow2(width)
 
     def source() -> str:
-        header = _HEADER.format(ratio=ratio, width=width, overlap=overlap, state=state, rope=rope, rotate=rotate,
-                                pow2=pow2, block_w=block_w, fp8_block=quant.FP8_KV_BLOCK, fp4_block=quant.FP4_BLOCK,
-                                fp8_floor=quant.FP8_AMAX_FLOOR, fp4_floor=quant.FP4_AMAX_FLOOR,
-                                inv_sqrt_w=1.0 / math.sqrt(width))
+        header = _HEADER.format(
+            ratio=ratio, width=width, overlap=overlap, state=state, has_bias=not state, rope=rope, rotate=rotate,
+            pow2=pow2, block_w=block_w, fp8_block=quant.FP8_KV_BLOCK, fp4_block=quant.FP4_BLOCK,
+            fp8_floor=quant.FP8_AMAX_FLOOR, fp4_floor=quant.FP4_AMAX_FLOOR, inv_sqrt_w=1.0 / math.sqrt(width))
         hadamard = _hadamard_source(block_w) if rotate else ""
-        return header + ABSORB + ROUND_BF16 + _GRID + hadamard + _FINISH + _POOL.format(fn=fn)
+        helpers = POOL_TILE + ROUND_BF16 + FORMATS_SOURCE + _GRID + hadamard + _FINISH
+        return header + helpers + _POOL.format(fn=fn)
 
     module = REGISTRY.build(name, "triton", f"v4compile::{fn}", source,
                             lambda path: load_triton_module(path, interpret), key=(overlap, rope, pow2, interpret))
