@@ -264,6 +264,6 @@ def compressor_entry_state(kv_state: torch.Tensor, score_state: torch.Tensor, ra
     if supports(width, 2 * cos.shape[-1], rotate):
         return reference.compressor_entry_state(kv_state, score_state, ratio, width, cos, sin, norm_weight, eps,
                                                 rotate, pow2_scales)
-    no_bias = kv_state.new_zeros(())
-    return _launch(kv_state, score_state, no_bias, cos, sin, norm_weight, eps, ratio, width, 1, rotate,
+    # a decode state's scores already hold the positional bias: the kernel reads no bias (any tensor serves)
+    return _launch(kv_state, score_state, score_state, cos, sin, norm_weight, eps, ratio, width, 1, rotate,
                    pow2_scales, True)
