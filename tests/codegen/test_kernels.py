@@ -87,6 +87,32 @@ def test_compressor_entries_pool_and_finish_like_the_model(ratio: int, width: in
     assert REGISTRY.records[name].error is None
 
 
+@settings(max_examples=25, deadline=None)
+@given(ratio=st.sampled_from([4, 8, 128]), overlap=st.booleans(), rotate=st.booleans(), pow2=st.booleans(),
+       state=st.booleans(), rope=st.sampled_from([2, 16, 32, 64]), extra=st.integers(0, 3), seed=st.integers(0, 99))
+def test_compressor_entries_property_random_dims(ratio: int, overlap: bool, rotate: bool, pow2: bool, state: bool,
+                                                 rope: int, extra: int, seed: int) -> None:
+    """Random pooling geometry and finish dims the kernel takes: the model's entries, bit for bit but for the
+    pooling's rounding crossing a boundary (rotated widths: powers of two; main widths: RoPE + whole FP8 blocks)."""
+    from v4compile.model.rope import rope_cos_sin, rope_frequencies
+
+    width = max(32, 1 << (rope - 1).bit_length()) << min(extra, 2) if rotate else rope + 64 * extra
+    torch.manual_seed(seed)
+    c = 2 if overlap else 1
+    cos, sin = rope_cos_sin(rope_frequencies(rope, 1e4, 0, 1, 32, 1), torch.arange(3) * ratio + 7 * seed)
+    weight = torch.rand(width) + 0.5
+    if state:
+        kv, score = torch.randn(3, c * ratio, c * width) * 3, torch.randn(3, c * ratio, c * width) * 2
+        score[0, ratio // 2:] = float("-inf")
+        args = (kv, score, ratio, width, cos, sin, weight, 1e-6, rotate, pow2)
+        got, want = ops.compressor_entry_state(*args, "triton"), reference.compressor_entry_state(*args)
+    else:
+        kv, score = torch.randn(1, 3 * ratio + 1, c * width) * 3, torch.randn(1, 3 * ratio + 1, c * width) * 2
+        args = (kv, score, torch.randn(ratio, c * width), ratio, width, 3, cos, sin, weight, 1e-6, rotate, pow2)
+        got, want = ops.compressor_entries(*args, "triton"), reference.compressor_entries(*args)
+    _assert_finished_entries_match(got, want)
+
+
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:All-NaN slice:RuntimeWarning")
 def test_compressor_entries_edge_inputs() -> None:
     """Overlap follows the shapes (not the ratio), a column of -inf scores gives the model's NaN entry, and dims
