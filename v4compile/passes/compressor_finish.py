@@ -111,10 +111,10 @@ def find_finish(pooled: fx.Node, dims: tuple[int, ...]) -> Finish:
 
 def _pooled_value(pool: fx.Node) -> fx.Node:
     """The node the finish reads: the pooling op, or in check mode the recorder that passes its value on."""
+    from .manager import CheckRecorder
+
     users = list(pool.users)
-    if len(users) == 1 and str(getattr(users[0].target, "__name__", "")).startswith("check_"):
-        return users[0]
-    return pool
+    return users[0] if len(users) == 1 and isinstance(users[0].target, CheckRecorder) else pool
 
 
 class CompressorFinish(GraphPass):

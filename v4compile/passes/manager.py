@@ -56,7 +56,7 @@ class GraphReport:
         return asdict(self)
 
 
-class _CheckRecorder:
+class CheckRecorder:
     """Compares a rewritten region's output with the original region's while the graph runs."""
 
     def __init__(self, match: Match) -> None:
@@ -99,7 +99,7 @@ def apply_rewrite(graph: fx.Graph, rewrite: Rewrite, check: Match | None = None)
             for index in rewrite.outputs:
                 outputs[index] = graph.call_function(operator.getitem, (new, index))
         if check is not None:
-            recorder = _CheckRecorder(check)
+            recorder = CheckRecorder(check)
             if rewrite.outputs:
                 for index, old in rewrite.outputs.items():
                     with graph.inserting_after(old):
