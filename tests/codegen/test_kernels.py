@@ -196,6 +196,23 @@ def test_radix_topk_is_exact_with_lowest_index_ties(rows: int, n: int, k: int) -
     assert torch.equal(values, want_v)
 
 
+def test_radix_topk_counters_persist_between_calls_and_rest_at_zero() -> None:
+    """The per-row counters are zeroed by each call's threshold program, not per call: calls of growing,
+    shrinking and repeated row counts (and the slow path in between) stay exact; the finished-programs
+    count rests at zero for the next call, the gathered count holds this call's candidates."""
+    torch.manual_seed(3)
+    for rows, n, k in [(2, 3000, 64), (5, 3000, 64), (1, 3000, 64), (5, 900, 32), (3, 2000, 128), (5, 900, 32)]:
+        x = torch.randn(rows, n)
+        if rows == 3:  # every group holds one repeated value: the candidate room overflows
+            x = (torch.arange(n) % 50).float().expand(rows, n).contiguous()
+        values, ids = ops.radix_topk(x, k, False, "triton")
+        want_v, want_i = _lowest_index_topk(x, k)
+        assert torch.equal(ids, want_i) and torch.equal(values, want_v)
+        held = radix_topk_triton._COUNTERS[("cpu", 0)]
+        assert all(not counters[:, 1].any() for counters in held) and held[-1].shape[0] >= rows
+        assert (held[-1][:rows, 0] >= k).all()
+
+
 def test_radix_topk_masked_candidates_never_win_and_missing_slots_are_minus_one() -> None:
     x = torch.full((3, 600), float("-inf"))
     x[0, 17] = -1e30

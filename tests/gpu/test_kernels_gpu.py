@@ -94,6 +94,27 @@ def test_radix_topk_cuda_exact_with_ties_and_masks(rows: int, n: int, k: int, ti
         assert torch.equal(got_v.signbit(), want_v.signbit())
 
 
+def test_radix_topk_cuda_graph_replays_stay_exact() -> None:
+    """The row counters persist between calls (each call's threshold program zeroes them): a captured
+    graph replayed on new scores, eager calls in between and a second stream all stay exact."""
+    x = torch.randn(4, 65536, device="cuda")
+    ops.radix_topk(x, 512, False, "triton")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        values, ids = ops.radix_topk(x, 512, False, "triton")
+    for step in range(5):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        if step % 2:
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                eager = ops.radix_topk(x[:3], 512, True, "triton")
+            torch.cuda.current_stream().wait_stream(side)
+            assert torch.equal(eager[1], reference.radix_topk(x[:3].cpu(), 512, True)[1].cuda())
+        want_v, want_i = reference.radix_topk(x.cpu(), 512, False)
+        assert torch.equal(ids.cpu(), want_i) and torch.equal(values.cpu(), want_v)
+
+
 @pytest.mark.parametrize(("heads", "k"), [(64, 128 + 512 + 16), (128, 200), (8, 64)])
 def test_sparse_attention_cuda(heads: int, k: int) -> None:
     q = torch.randn(4, 1, heads, 512, device="cuda").bfloat16()

@@ -124,7 +124,8 @@ def _threshold(GMAX, row, n_groups):
 def topk_group_max(X, GMAX, RMAX, STATE, THRESH, n, s_x, n_groups, n_runs):
     # group g holds candidates g, g + n_groups, g + 2 n_groups, ...: strided, so runs of large values
     # (scores that grow with position, say) spread over many groups. The row's last program to finish
-    # (a ticket in STATE, zeroed by the caller) finds the threshold from all of them.
+    # (a ticket in STATE) finds the threshold from all of them and zeroes the row's counters for the collect
+    # and the next call (STATE persists between calls: no zero fill per call).
     if PDL:
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -140,6 +141,7 @@ def topk_group_max(X, GMAX, RMAX, STATE, THRESH, n, s_x, n_groups, n_runs):
     ticket = tl.atomic_add(STATE + 2 * row + 1, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(1) - 1:
         tl.store(THRESH + row, _threshold(GMAX, row, n_groups).to(tl.int32, bitcast=True))
+        tl.store(STATE + 2 * row + tl.arange(0, 2), tl.zeros([2], dtype=tl.int32))
 
 
 @triton.jit
@@ -352,6 +354,21 @@ MAX_GROUPS = 1 << 16
 ~16M candidates) are ranked by the reference."""
 
 
+_COUNTERS: dict[tuple[str, int], list[torch.Tensor]] = {}
+"""Per (device, stream): the row counters of every size handed out, newest (largest) last."""
+
+
+def _row_counters(device: torch.device, rows: int) -> torch.Tensor:
+    """Per row: candidates gathered, group-maxima programs finished. Zeroed once when made; each call's
+    threshold program zeroes its rows again, so no call pays a fill. One set per stream (calls on one
+    stream run in order); outgrown sets stay alive, since a captured CUDA graph may still point at them."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    held = _COUNTERS.setdefault((str(device), stream), [])
+    if not held or held[-1].shape[0] < rows:
+        held.append(torch.zeros(triton_next_pow2(rows), 2, dtype=torch.int32, device=device))
+    return held[-1]
+
+
 def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
                config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton body of ``v4compile::radix_topk``: the k largest of the last dim, ordered like a stable
@@ -378,7 +395,7 @@ def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
             lambda path: load_triton_module(path, not cuda), key=(tuple(sorted(constants.items())), mask_invalid, cuda))
         gmax = torch.empty(r, config["GROUPS"], dtype=torch.int32, device=x.device)
         thresh = torch.empty(r, dtype=torch.int32, device=x.device)
-        state = torch.zeros(r, 2, dtype=torch.int32, device=x.device)  # per row: gathered count, finished programs
+        state = _row_counters(x.device, r)
         cand = torch.empty(r, config["CAP"], dtype=torch.int64, device=x.device)
         s_x, n_groups, n_runs, collectors = rows.stride(0), config["n_groups"], config["n_runs"], config["collectors"]
         run_max = torch.empty(r, n_runs, dtype=torch.int32, device=x.device)
