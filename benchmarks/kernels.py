@@ -107,6 +107,17 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = 1e-4) 
         raise AssertionError(f"{what}: relative error {err:.2e} exceeds {tol:.0e}")
 
 
+def _tilelang_note(call: Callable[[], torch.Tensor], want: torch.Tensor, what: str, kernel: str, quick: bool,
+                   tol: float) -> str:
+    """"; TileLang kernel N us" for ``call`` (checked against ``want``, kernel ``kernel*`` seen running) as a
+    CUDA graph replay, where TileLang is installed; else nothing."""
+    if importlib.util.find_spec("tilelang") is None:
+        return ""
+    _check(call(), want, f"TileLang {what}", tol=tol)
+    _ran(kernel)
+    return f"; TileLang kernel {bench(graphed(call), quick):.1f} us"
+
+
 def compressor_prefill_row(ceil: dict[str, float], quick: bool, ratio: int, tokens: int = 65536,
                            width: int = 512) -> Row:
     """The fused prefill pooling over ``tokens`` tokens of fp32 kv and score projections."""
@@ -305,14 +316,8 @@ def sparse_attention_row(ceil: dict[str, float], quick: bool, batch: int, heads:
         return reference.sparse_attention(q, kv, sink, index, scale)
 
     host_us = bench(ours, quick)
-    tilelang = ""
-    if importlib.util.find_spec("tilelang") is not None:
-        def tilelang_call() -> torch.Tensor:
-            return ops.sparse_attention(q, kv, sink, index, scale, "tilelang")
-
-        _check(tilelang_call(), want, "TileLang sparse attention", tol=1e-2)
-        _ran(f"sparse_attention.d{dim}.bf16dot.tilelang")
-        tilelang = f"; TileLang kernel {bench(graphed(tilelang_call), quick):.1f} us"
+    tilelang = _tilelang_note(lambda: ops.sparse_attention(q, kv, sink, index, scale, "tilelang"), want,
+                              "sparse attention", f"sparse_attention.d{dim}.bf16dot.tilelang", quick, tol=1e-2)
     return Row("sparse MQA attention with sink (decode, CUDA graph)",
                f"batch {batch}, {heads} heads, {selected} entries", bench(graphed(ours), quick),
                bench(graphed(eager), quick), bench(graphed(lambda: compiled(q, kv, sink, index, scale)), quick),
@@ -357,8 +362,9 @@ def indexer_scores_row(ceil: dict[str, float], quick: bool, batch: int, keys: in
     k = torch.randn(batch, keys, dim, device="cuda").bfloat16()
     w = torch.randn(batch, 1, heads, device="cuda").bfloat16()
     ref = reference.indexer_scores
-    _check(ops.indexer_scores(q, k, w, "triton"), ref(q, k, w), "indexer scores", tol=1e-2)
-    _ran(f"indexer_scores.d{dim}")
+    want = ref(q, k, w)
+    _check(ops.indexer_scores(q, k, w, "triton"), want, "indexer scores", tol=1e-2)
+    _ran(f"indexer_scores.d{dim}.bf16.triton")
     compiled = _compiled(ref)
     compiled(q, k, w)
     moved = k.nbytes + q.nbytes + w.nbytes + batch * keys * 4
@@ -367,10 +373,12 @@ def indexer_scores_row(ceil: dict[str, float], quick: bool, batch: int, keys: in
         return ops.indexer_scores(q, k, w, "triton")
 
     host_us = bench(ours, quick)
+    tilelang = _tilelang_note(lambda: ops.indexer_scores(q, k, w, "tilelang"), want, "indexer scores",
+                              f"indexer_scores.d{dim}.bf16.tilelang", quick, tol=1e-2)
     return Row("indexer scoring (decode, CUDA graph)", f"batch {batch}, {heads} heads x {keys} keys",
                bench(graphed(ours), quick), bench(graphed(lambda: ref(q, k, w)), quick),
                bench(graphed(lambda: compiled(q, k, w)), quick), 1e6 * moved / ceil["copy_bytes_per_s"], moved,
-               note=f"{_config('indexer_scores.d')}; host call {host_us:.1f} us")
+               note=f"{_config('indexer_scores.d')}; host call {host_us:.1f} us{tilelang}")
 
 
 def _config(prefix: str) -> str:

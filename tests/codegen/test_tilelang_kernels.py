@@ -1,15 +1,19 @@
-"""TileLang compressor pooling against its reference on CPU (the ``c`` target), through the custom ops.
+"""TileLang compressor pooling, mHC and indexer scoring against their references on CPU (the ``c`` target),
+through the custom ops.
 
 TileLang's C build takes seconds per kernel: the cases share a few (ratio, width) shapes, and the kernels are
 specialised on shape only through ratio and width (batch, tokens and entries are dynamic)."""
 
 from __future__ import annotations
 
+import importlib
+import shutil
+
 import pytest
 import torch
 
 from v4compile.codegen import ops, reference
-from v4compile.codegen.registry import REGISTRY
+from v4compile.codegen.registry import REGISTRY, load_module
 
 pytest.importorskip("tilelang")
 
@@ -105,3 +109,39 @@ def test_mhc_pre_and_post_match_reference(lead: tuple[int, ...], n: int, dim: in
     for step in ("mhc_pre", "mhc_post"):
         record = REGISTRY.records[f"{step}.n{n}.d{dim}.tilelang"]
         assert record.error is None and record.launch["target"] == "c" and record.lowered
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_indexer_scores_match_the_model_rounding(dtype: torch.dtype) -> None:
+    """The c target's scoring: 10 heads (zero-padded to the tile), 70 keys (a short last tile), two queries of
+    two rows; in bf16 every step rounds as the model does (bitwise here), fp32 differs by the summation order."""
+    torch.manual_seed(5)
+    q, keys = torch.randn(2, 2, 10, 32).to(dtype), torch.randn(2, 70, 32).to(dtype)
+    w = torch.randn(2, 2, 10).to(dtype)
+    got = ops.indexer_scores(q, keys, w, "tilelang")
+    want = reference.indexer_scores(q, keys, w)
+    assert got.dtype == torch.float32 and got.shape == (2, 2, 70)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    record = REGISTRY.records[f"indexer_scores.d32.{'bf16' if dtype == torch.bfloat16 else 'fp32'}.tilelang"]
+    assert record.error is None and record.launch["target"] == "c" and record.lowered
+    assert ops.implementation_backend("indexer_scores", "tilelang", q) == "tilelang"
+
+
+def test_indexer_scores_beyond_one_tile_of_heads_run_triton() -> None:
+    q, keys, w = torch.randn(1, 1, 80, 16), torch.randn(1, 9, 16), torch.randn(1, 1, 80)
+    assert ops.implementation_backend("indexer_scores", "tilelang", q) == "triton"
+    torch.testing.assert_close(ops.indexer_scores(q, keys, w, "tilelang"), reference.indexer_scores(q, keys, w),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs a CUDA compiler to build for sm_90a")
+def test_indexer_scores_hopper_source_streams_keys_into_wgmma(tmp_path) -> None:
+    scores = importlib.import_module("v4compile.codegen.tilelang.indexer_scores")
+    config = scores.launch_config(64, 16384, cuda=True)  # 16 tiles a block through 3 stages
+    path = tmp_path / "scores.py"
+    path.write_text(scores._SOURCE.format(dim=128, block_h=64, round=True, in_dtype="bfloat16", **config))
+    source = load_module(path).build({"kind": "cuda", "arch": "sm_90a"}).get_kernel_source()
+    assert "cp_async_gs_conditional" in source and "wgmma" in source  # keys a stage ahead, tensor-core product
+    assert "tl::cp_async_wait<2>" in source  # three stages in flight

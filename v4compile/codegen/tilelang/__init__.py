@@ -5,15 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from . import indexer_scores
 from .compressor import compressor_pool, compressor_pool_state
 from .mhc import mhc_post, mhc_pre
 from .sparse_attention import sparse_attention, takes
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"compressor_pool": compressor_pool,
                                                   "compressor_pool_state": compressor_pool_state,
+                                                  "indexer_scores": indexer_scores.indexer_scores,
                                                   "mhc_pre": mhc_pre, "mhc_post": mhc_post,
                                                   "sparse_attention": sparse_attention}
 
-ACCEPTS: dict[str, Callable[[Any], bool]] = {"sparse_attention": takes}
+ACCEPTS: dict[str, Callable[[Any], bool]] = {"sparse_attention": takes, "indexer_scores": indexer_scores.takes}
 """Ops whose TileLang kernel takes only some inputs (the tensor cores of a CUDA device, bf16), by a predicate
 on the first tensor input; for the others their body runs the Triton kernel."""
