@@ -51,6 +51,61 @@ def absorb(m, s, acc, j, d, z, v):
     m[j, d] = T.max(m[j, d], z)
 
 
+@T.macro
+def pool_blocks(kv, score, ape, m, s, acc, b, j0, d0, n_blocks):
+    # entries j0 .. j0 + BLOCK_J x dims d0 .. d0 + BLOCK_D of sequence b: their RATIO tokens (and, overlapping, block
+    # j-1's left half), each token's score and value staged so that loads are plain vector copies
+    z = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
+    v = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
+    z_prev = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
+    v_prev = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
+    init(m, s, acc)
+    for r in T.serial(RATIO):
+        for j, d in T.Parallel(BLOCK_J, BLOCK_D):
+            jj = j0 + j
+            dd = d0 + d
+            if jj < n_blocks and dd < WIDTH:
+                z[j, d] = score[b, jj * RATIO + r, COLS - WIDTH + dd]
+                v[j, d] = kv[b, jj * RATIO + r, COLS - WIDTH + dd]
+                if OVERLAP and jj > 0:
+                    z_prev[j, d] = score[b, (jj - 1) * RATIO + r, dd]
+                    v_prev[j, d] = kv[b, (jj - 1) * RATIO + r, dd]
+        for j, d in T.Parallel(BLOCK_J, BLOCK_D):
+            jj = j0 + j
+            dd = d0 + d
+            if jj < n_blocks and dd < WIDTH:
+                col = COLS - WIDTH + dd
+                absorb(m, s, acc, j, d, T.cast(z[j, d], ACC) + ape[r, col], T.cast(v[j, d], ACC))
+                if OVERLAP and jj > 0:
+                    # block j-1's left half; for j = 0 it is absent (weight 0)
+                    absorb(m, s, acc, j, d, T.cast(z_prev[j, d], ACC) + ape[r, dd], T.cast(v_prev[j, d], ACC))
+
+
+@T.macro
+def pool_state(kv, score, m, s, acc, b, d0):
+    # one decode state's open block (and, overlapping, the previous block's slot) over dims d0 .. d0 + BLOCK_D;
+    # its scores already hold the bias and may be -inf
+    z = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
+    v = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
+    z_prev = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
+    v_prev = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
+    init(m, s, acc)
+    for r in T.serial(RATIO):
+        for j, d in T.Parallel(BLOCK_J, BLOCK_D):
+            dd = d0 + d
+            if dd < WIDTH:
+                z[j, d] = score[b, SLOTS - RATIO + r, COLS - WIDTH + dd]
+                v[j, d] = kv[b, SLOTS - RATIO + r, COLS - WIDTH + dd]
+                if OVERLAP:
+                    z_prev[j, d] = score[b, r, dd]
+                    v_prev[j, d] = kv[b, r, dd]
+        for j, d in T.Parallel(BLOCK_J, BLOCK_D):
+            if d0 + d < WIDTH:
+                absorb(m, s, acc, j, d, T.max(T.cast(z[j, d], ACC), FLOOR), T.cast(v[j, d], ACC))
+                if OVERLAP:
+                    absorb(m, s, acc, j, d, T.max(T.cast(z_prev[j, d], ACC), FLOOR), T.cast(v_prev[j, d], ACC))
+
+
 def compile_kernel(fn, target):
     # the C codegen cannot vectorize exp: its loops stay scalar. Every load sits under the kernel's own bounds
     # checks, so TileLang's extra per-load guards are left out.
@@ -71,31 +126,7 @@ def build(target):
             m = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
             s = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
             acc = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
-            # this token's score and value (and block j-1's), staged so that loads are plain vector copies
-            z = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
-            v = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
-            z_prev = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
-            v_prev = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
-            init(m, s, acc)
-            for r in T.serial(RATIO):
-                for j, d in T.Parallel(BLOCK_J, BLOCK_D):
-                    jj = bj * BLOCK_J + j
-                    dd = bd * BLOCK_D + d
-                    if jj < n_blocks and dd < WIDTH:
-                        z[j, d] = score[b, jj * RATIO + r, COLS - WIDTH + dd]
-                        v[j, d] = kv[b, jj * RATIO + r, COLS - WIDTH + dd]
-                        if OVERLAP and jj > 0:
-                            z_prev[j, d] = score[b, (jj - 1) * RATIO + r, dd]
-                            v_prev[j, d] = kv[b, (jj - 1) * RATIO + r, dd]
-                for j, d in T.Parallel(BLOCK_J, BLOCK_D):
-                    jj = bj * BLOCK_J + j
-                    dd = bd * BLOCK_D + d
-                    if jj < n_blocks and dd < WIDTH:
-                        col = COLS - WIDTH + dd
-                        absorb(m, s, acc, j, d, T.cast(z[j, d], ACC) + ape[r, col], T.cast(v[j, d], ACC))
-                        if OVERLAP and jj > 0:
-                            # block j-1's left half; for j = 0 it is absent (weight 0)
-                            absorb(m, s, acc, j, d, T.cast(z_prev[j, d], ACC) + ape[r, dd], T.cast(v_prev[j, d], ACC))
+            pool_blocks(kv, score, ape, m, s, acc, b, bj * BLOCK_J, bd * BLOCK_D, n_blocks)
             for j, d in T.Parallel(BLOCK_J, BLOCK_D):
                 jj = bj * BLOCK_J + j
                 dd = bd * BLOCK_D + d
@@ -118,26 +149,7 @@ def build(target):
             m = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
             s = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
             acc = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
-            # the open block's slot and (overlapping) the previous block's, staged as plain vector copies
-            z = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
-            v = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
-            z_prev = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
-            v_prev = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
-            init(m, s, acc)
-            for r in T.serial(RATIO):
-                for j, d in T.Parallel(BLOCK_J, BLOCK_D):
-                    dd = bd * BLOCK_D + d
-                    if dd < WIDTH:
-                        z[j, d] = score[b, SLOTS - RATIO + r, COLS - WIDTH + dd]
-                        v[j, d] = kv[b, SLOTS - RATIO + r, COLS - WIDTH + dd]
-                        if OVERLAP:
-                            z_prev[j, d] = score[b, r, dd]
-                            v_prev[j, d] = kv[b, r, dd]
-                for j, d in T.Parallel(BLOCK_J, BLOCK_D):
-                    if bd * BLOCK_D + d < WIDTH:
-                        absorb(m, s, acc, j, d, T.max(T.cast(z[j, d], ACC), FLOOR), T.cast(v[j, d], ACC))
-                        if OVERLAP:
-                            absorb(m, s, acc, j, d, T.max(T.cast(z_prev[j, d], ACC), FLOOR), T.cast(v_prev[j, d], ACC))
+            pool_state(kv, score, m, s, acc, b, bd * BLOCK_D)
             for j, d in T.Parallel(BLOCK_J, BLOCK_D):
                 dd = bd * BLOCK_D + d
                 if dd < WIDTH:
