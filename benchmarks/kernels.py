@@ -108,13 +108,15 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = 1e-4) 
 
 
 def _tilelang_note(call: Callable[[], torch.Tensor], want: torch.Tensor, what: str, kernel: str, quick: bool,
-                   tol: float) -> str:
+                   tol: float, per_call: bool = False) -> str:
     """"; TileLang kernel N us" for ``call`` (checked against ``want``, kernel ``kernel*`` seen running) as a
-    CUDA graph replay, where TileLang is installed; else nothing."""
+    CUDA graph replay (``per_call``: per call in a 20-call graph), where TileLang is installed; else nothing."""
     if importlib.util.find_spec("tilelang") is None:
         return ""
     _check(call(), want, f"TileLang {what}", tol=tol)
     _ran(kernel)
+    if per_call:
+        return f"; TileLang kernel {in_graph_us(call, quick):.1f} us/call"
     return f"; TileLang kernel {bench(graphed(call), quick):.1f} us"
 
 
@@ -198,9 +200,13 @@ def compressor_entries_row(ceil: dict[str, float], quick: bool, ratio: int, widt
     n = tokens // ratio
     finish = _entry_inputs(ratio, width, rotate, n, torch.arange(n, device="cuda") * ratio)
     ref = reference.compressor_entries
-    _check(ops.compressor_entries(kv, score, ape, ratio, width, n, *finish, "triton"),
-           ref(kv, score, ape, ratio, width, n, *finish), f"compressor entries C{ratio}", tol=1e-2)
+    want = ref(kv, score, ape, ratio, width, n, *finish)
+    _check(ops.compressor_entries(kv, score, ape, ratio, width, n, *finish, "triton"), want,
+           f"compressor entries C{ratio}", tol=1e-2)
     form = "hadamard_fp4" if rotate else "fp8"
+    tilelang = _tilelang_note(lambda: ops.compressor_entries(kv, score, ape, ratio, width, n, *finish, "tilelang"),
+                              want, f"compressor entries C{ratio}",
+                              f"compressor_entries.c{ratio}.w{width}.{form}.tilelang", quick, tol=1e-2)
     _ran(f"compressor_entries.c{ratio}.w{width}.{form}.triton")
     compiled, compiled_finish = _compiled(ref), _compiled(finish_entries)
     compiled(kv, score, ape, ratio, width, n, *finish)
@@ -222,7 +228,7 @@ def compressor_entries_row(ceil: dict[str, float], quick: bool, ratio: int, widt
                bench(graphed(lambda: ref(kv, score, ape, ratio, width, n, *finish)), quick),
                bench(graphed(lambda: compiled(kv, score, ape, ratio, width, n, *finish)), quick),
                1e6 * moved / ceil["copy_bytes_per_s"], moved,
-               note=f"{config}; pool kernel + compiled finish {bench(graphed(unfused), quick):.1f} us")
+               note=f"{config}; pool kernel + compiled finish {bench(graphed(unfused), quick):.1f} us{tilelang}")
 
 
 def compressor_entry_state_row(ceil: dict[str, float], quick: bool, batch: int, ratio: int, width: int = 512) -> Row:
@@ -235,9 +241,13 @@ def compressor_entry_state_row(ceil: dict[str, float], quick: bool, batch: int, 
     score = torch.randn(batch, c * ratio, c * width, device="cuda")
     finish = _entry_inputs(ratio, width, False, batch, torch.randint(0, 4096, (batch,), device="cuda") * ratio)
     ref = reference.compressor_entry_state
-    _check(ops.compressor_entry_state(kv, score, ratio, width, *finish, "triton"),
-           ref(kv, score, ratio, width, *finish), "compressor entry state", tol=1e-2)
+    want = ref(kv, score, ratio, width, *finish)
+    _check(ops.compressor_entry_state(kv, score, ratio, width, *finish, "triton"), want, "compressor entry state",
+           tol=1e-2)
     _ran(f"compressor_entry_state.c{ratio}.w{width}.fp8.triton")
+    tilelang = _tilelang_note(lambda: ops.compressor_entry_state(kv, score, ratio, width, *finish, "tilelang"), want,
+                              "compressor entry state", f"compressor_entry_state.c{ratio}.w{width}.fp8.tilelang",
+                              quick, tol=1e-2, per_call=True)
     compiled, compiled_finish = _compiled(ref), _compiled(finish_entries)
     compiled(kv, score, ratio, width, *finish)
     moved = (kv.nbytes + score.nbytes) // c + batch * width * 2
@@ -254,7 +264,7 @@ def compressor_entry_state_row(ceil: dict[str, float], quick: bool, batch: int, 
                bench(graphed(lambda: compiled(kv, score, ratio, width, *finish)), quick),
                1e6 * moved / ceil["copy_bytes_per_s"], moved,
                note=f"in a 20-call graph {in_graph_us(ours, quick):.1f} us/call; pool kernel + compiled finish "
-                    f"{in_graph_us(unfused, quick):.1f} us/call")
+                    f"{in_graph_us(unfused, quick):.1f} us/call{tilelang}")
 
 
 def topk_row(ceil: dict[str, float], quick: bool, batch: int, k: int, n: int = 262144, ties: bool = False) -> Row:

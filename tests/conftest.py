@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,37 @@ def golden_models(golden_root: Path) -> dict[str, v4compile.DeepSeekV4]:
 @pytest.fixture(scope="session")
 def tiny_model() -> v4compile.DeepSeekV4:
     return v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=0).eval()
+
+
+def _fp4_neighbours(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Whether each pair is one step apart on the e2m1 grid times some power-of-two scale (their block's): the
+    larger of the two is 0.5 to 6 scales, so the scale is 2**(floor(log2 larger) - f) for f in -1..2."""
+    grid = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), dtype=torch.float64)
+    g, w = got.double().cpu(), want.double().cpu()
+    base = torch.floor(torch.log2(torch.maximum(g.abs(), w.abs())))
+    ok = torch.zeros_like(g, dtype=torch.bool)
+    for f in (-1, 0, 1, 2):
+        scale = torch.exp2(base - f)
+        at_g, at_w = (g.abs() / scale)[:, None] == grid, (w.abs() / scale)[:, None] == grid
+        apart = (at_g.float().argmax(1) - at_w.float().argmax(1)).abs() == 1
+        ok |= at_g.any(1) & at_w.any(1) & apart & (g * w >= 0)
+    return ok
+
+
+@pytest.fixture(scope="session")
+def assert_finished_entries() -> Callable[[torch.Tensor, torch.Tensor, bool, float], None]:
+    """Checks fused compressor entries against the model's: bitwise but for a fraction (``1 - min_equal``) where
+    the pooling's fp32 rounding, in another summation order, moves a value across a bf16 rounding boundary, which
+    the finish's quantization can turn into one grid step: FP8 (at most 1/8 of the value, up to the subnormal
+    spacing), or for the rotated branch's FP4 one step of the e2m1 grid (0.5 to 0 is all of it)."""
+
+    def check(got: torch.Tensor, want: torch.Tensor, rotate: bool, min_equal: float = 0.99) -> None:
+        assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+        assert (got == want).float().mean() >= min_equal
+        differ = (got != want) & ~(got.isnan() & want.isnan())
+        if rotate:
+            assert _fp4_neighbours(got[differ], want[differ]).all(), (got[differ], want[differ])
+        else:
+            torch.testing.assert_close(got.float(), want.float(), rtol=0.13, atol=1e-2, equal_nan=True)
+
+    return check

@@ -72,6 +72,11 @@ def test_compressor_pool_state_matches_reference_with_masked_slots(ratio: int, w
                                rtol=1e-5, atol=1e-5)
     record = REGISTRY.records[f"compressor_pool_state.c{ratio}.w{width}.tilelang"]
     assert record.launch["grid"] == (1, 4) and record.launch["threads"] == 128
+    score[3, :, 1] = score[3, :, (c - 1) * width + 1] = float("-inf")  # dim 1: no slot written (either half)
+    got = ops.compressor_pool_state(kv, score, ratio, width, "tilelang")
+    want = reference.compressor_pool_state(kv, score, ratio, width)
+    assert want[3, 1].isnan() and got[3, 1].isnan()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 def test_fp64_inputs_accumulate_in_fp64() -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import indexer_scores
+from . import compressor_finish, indexer_scores
 from .compressor import compressor_pool, compressor_pool_state
 from .mhc import mhc_post, mhc_pre
 from .sparse_attention import sparse_attention, takes
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"compressor_pool": compressor_pool,
+                                                  "compressor_entries": compressor_finish.compressor_entries,
+                                                  "compressor_entry_state": compressor_finish.compressor_entry_state,
                                                   "compressor_pool_state": compressor_pool_state,
                                                   "indexer_scores": indexer_scores.indexer_scores,
                                                   "mhc_pre": mhc_pre, "mhc_post": mhc_post,

@@ -153,7 +153,9 @@ def build(target):
             for j, d in T.Parallel(BLOCK_J, BLOCK_D):
                 dd = bd * BLOCK_D + d
                 if dd < WIDTH:
-                    out[b, dd] = acc[j, d] / s[j, d]
+                    # a dim with no slot written (every score -inf) is NaN, as in the model's softmax
+                    out[b, dd] = T.if_then_else(m[j, d] <= FLOOR, T.reinterpret(T.uint32(0x7FC00000), ACC),
+                                                acc[j, d] / s[j, d])
 
     return compile_kernel({fn}, target)
 '''

@@ -39,8 +39,8 @@ def build(target):
         # round to the nearest bf16, ties to even (finite values; the c target has no 16-bit floats)
         if cuda:
             return T.cast(T.cast(x, "bfloat16"), "float32")
-        bits = T.reinterpret("uint32", x)
-        return T.reinterpret("float32", (bits + 0x7FFF + ((bits >> 16) & 1)) & T.uint32(0xFFFF0000))
+        bits = T.reinterpret(x, "uint32")
+        return T.reinterpret((bits + 0x7FFF + ((bits >> 16) & 1)) & T.uint32(0xFFFF0000), "float32")
 
     @T.macro
     def rounded(x):
