@@ -174,7 +174,7 @@ class SparseAttention(GraphPass):
         sink = _single_value(total)
         if sink is total or sink.meta.get("val") is None or sink.meta["val"].dtype != torch.float32:
             raise NoMatch("the head sum is not returned as fp32 scores")
-        impl = ops.implementation_backend("indexer_scores", ctx.backend)
+        impl = ops.implementation_backend("indexer_scores", ctx.backend, q.meta.get("val"))
         return Rewrite(sink, ops.indexer_scores, (q, _strip_casts(keys), weights, ctx.backend),
                        f"indexer_scores.d{dims[-1]}.{impl}",
                        {"form": "indexer scores", "heads": dims[2], "dim": dims[-1], "keys": (shape(keys) or (0,))[1],
