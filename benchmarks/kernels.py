@@ -59,7 +59,7 @@ def capture_graph(fn: Callable[[], object]) -> tuple[Callable[[], None], object]
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):  # the warm-up's stream: per-stream kernel state carries over
         out = fn()
     return graph.replay, out
 

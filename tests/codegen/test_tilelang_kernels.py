@@ -150,3 +150,21 @@ def test_indexer_scores_hopper_source_streams_keys_into_wgmma(tmp_path) -> None:
     source = load_module(path).build({"kind": "cuda", "arch": "sm_90a"}).get_kernel_source()
     assert "cp_async_gs_conditional" in source and "wgmma" in source  # keys a stage ahead, tensor-core product
     assert "tl::cp_async_wait<2>" in source  # three stages in flight
+
+
+def test_compressor_entry_state_takes_what_the_reference_takes() -> None:
+    """The decode-state finish takes the cos / sin shapes the reference takes (one table for every row, one row
+    per sequence) and an empty batch."""
+    from v4compile.model.rope import rope_cos_sin, rope_frequencies
+
+    torch.manual_seed(11)
+    cos, sin = rope_cos_sin(rope_frequencies(32, 1e4, 0, 1, 32, 1), torch.tensor([8, 40]))
+    weight = torch.rand(96) + 0.5
+    kv, score = torch.randn(2, 8, 192), torch.randn(2, 8, 192)
+    for c, s in ((cos[0], sin[0]), (cos, sin)):  # [r/2] for every row, [B, r/2]
+        args = (kv, score, 4, 96, c, s, weight, 1e-6, False, True)
+        got, want = ops.compressor_entry_state(*args, "tilelang"), reference.compressor_entry_state(*args)
+        assert torch.equal(got, want)
+    empty = ops.compressor_entry_state(kv[:0], score[:0], 4, 96, cos[:0], sin[:0], weight, 1e-6, False, True,
+                                       "tilelang")
+    assert empty.shape == (0, 96) and empty.dtype == torch.bfloat16

@@ -99,24 +99,29 @@ def test_radix_topk_cuda_exact_with_ties_and_masks(rows: int, n: int, k: int, ti
 
 
 def test_radix_topk_cuda_graph_replays_stay_exact() -> None:
-    """The row counters persist between calls (each call's threshold program zeroes them): a captured
-    graph replayed on new scores, eager calls in between and a second stream all stay exact."""
+    """The row counters persist between calls (each call's threshold program zeroes them for the next): a graph
+    captured on its warm-up stream shares that stream's counters with eager calls there; its replays on fresh
+    scores, interleaved with those eager calls and with calls on another stream, stay exact."""
     x = torch.randn(4, 65536, device="cuda")
-    ops.radix_topk(x, 512, False, "triton")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.radix_topk(x, 512, False, "triton")  # makes the stream's counters, outside capture
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         values, ids = ops.radix_topk(x, 512, False, "triton")
-    for step in range(5):
+    for _ in range(4):
         x.copy_(torch.randn_like(x))
-        graph.replay()
-        if step % 2:
-            side = torch.cuda.Stream()
-            with torch.cuda.stream(side):
-                eager = ops.radix_topk(x[:3], 512, True, "triton")
-            torch.cuda.current_stream().wait_stream(side)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.replay()
+            want_v, want_i = (t.cuda() for t in reference.radix_topk(x.cpu(), 512, False))
+            assert torch.equal(ids, want_i) and torch.equal(values, want_v)
+            eager = ops.radix_topk(x[:3], 512, True, "triton")  # the same counters, between replays
             assert torch.equal(eager[1], reference.radix_topk(x[:3].cpu(), 512, True)[1].cuda())
-        want_v, want_i = reference.radix_topk(x.cpu(), 512, False)
-        assert torch.equal(ids.cpu(), want_i) and torch.equal(values.cpu(), want_v)
+        torch.cuda.current_stream().wait_stream(stream)
+        other = ops.radix_topk(x[1:], 256, False, "triton")  # the default stream's counters
+        assert torch.equal(other[1], reference.radix_topk(x[1:].cpu(), 256, False)[1].cuda())
 
 
 @pytest.mark.parametrize(("heads", "k"), [(64, 128 + 512 + 16), (128, 200), (8, 64)])

@@ -63,6 +63,6 @@ class DecodeGraphs:
             logits = self.decode(static_ids, static_positions, cache).clone()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=stream):  # the warm-up's stream: per-stream kernel state carries over
             output = self.decode(static_ids, static_positions, cache)
         return logits, _Captured(graph, static_ids, static_positions, output)

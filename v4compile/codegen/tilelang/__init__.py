@@ -19,5 +19,6 @@ IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"compressor_pool": compressor_
                                                   "sparse_attention": sparse_attention}
 
 ACCEPTS: dict[str, Callable[[Any], bool]] = {"sparse_attention": takes, "indexer_scores": indexer_scores.takes}
-"""Ops whose TileLang kernel takes only some inputs (the tensor cores of a CUDA device, bf16), by a predicate
-on the first tensor input; for the others their body runs the Triton kernel."""
+"""Ops whose TileLang kernel takes only some inputs (sparse attention: bf16 on a CUDA device; indexer scoring:
+bf16 on CUDA or bf16 / fp32 on the CPU, head dims 16-256, up to 64 heads), by a predicate on the first tensor
+input; for the others their body runs the Triton kernel."""

@@ -30,3 +30,39 @@ def load_kernels(path: Path, target: str, name: str) -> Any:
     kernels = built if isinstance(built, tuple) else (built,)
     REGISTRY.set_lowered(name, "\n".join(k.get_kernel_source() for k in kernels if k is not None))
     return built
+
+
+TARGET_MACROS = '''
+
+def target_macros(cuda):
+    """The steps whose lowering depends on the target: the c target has no 16-bit floats (bf16 rounding on the
+    bits there) and no reductions of fragments (loops there)."""
+
+    @T.macro
+    def to_bf16(x):
+        # nearest bf16, ties to even (finite values and infinities; on the c target a NaN may come out as +-0)
+        if cuda:
+            return T.cast(T.cast(x, "bfloat16"), "float32")
+        bits = T.reinterpret(x, "uint32")
+        return T.reinterpret((bits + 0x7FFF + ((bits >> 16) & 1)) & T.uint32(0xFFFF0000), "float32")
+
+    @T.macro
+    def reduce_rows(x, out, rows, cols, kind):
+        # out[i] = sum or max (``kind``) of x[i, :cols] (the max of values >= 0)
+        if cuda:
+            if kind == "sum":
+                T.reduce_sum(x, out, dim=1)
+            else:
+                T.reduce_max(x, out, dim=1)
+        else:
+            for i in T.Parallel(rows):
+                out[i] = 0.0
+                for c in T.serial(cols):
+                    if kind == "sum":
+                        out[i] += x[i, c]
+                    else:
+                        out[i] = T.max(out[i], x[i, c])
+
+    return to_bf16, reduce_rows
+'''
+"""TileLang source shared by kernels (a generated source includes it after ``import tilelang.language as T``)."""

@@ -154,8 +154,8 @@ def build(target):
                 dd = bd * BLOCK_D + d
                 if dd < WIDTH:
                     # a dim with no slot written (every score -inf) is NaN, as in the model's softmax
-                    out[b, dd] = T.if_then_else(m[j, d] <= FLOOR, T.reinterpret(T.uint32(0x7FC00000), ACC),
-                                                acc[j, d] / s[j, d])
+                    nan = T.cast(T.reinterpret(T.uint32(0x7FC00000), "float32"), ACC)
+                    out[b, dd] = T.if_then_else(m[j, d] <= FLOOR, nan, acc[j, d] / s[j, d])
 
     return compile_kernel({fn}, target)
 '''

@@ -19,10 +19,9 @@ from typing import Any
 import torch
 
 from ...model import quant
-from .. import reference
 from ..registry import REGISTRY
-from ..triton.compressor_finish import supports
-from .common import load_kernels
+from ..triton.compressor_finish import entry_bodies, per_entry_table
+from .common import TARGET_MACROS, load_kernels
 from .compressor import _HEADER, compressor_pool, compressor_pool_state
 
 _FINISH = '''
@@ -40,19 +39,13 @@ MIN_EXP = {min_exp}
 AMAX_FLOOR = {amax_floor!r}
 INV_SQRT_W = {inv_sqrt_w!r}
 OUT = "{out_dtype}"
-
+''' + TARGET_MACROS + '''
 
 def build(target):
     batch, seq, n_blocks = T.dynamic("batch"), T.dynamic("seq"), T.dynamic("n_blocks")
     cuda = target != "c"
 
-    @T.macro
-    def to_bf16(x):
-        # nearest bf16, ties to even (the c target has no 16-bit floats: on the bits there)
-        if cuda:
-            return T.cast(T.cast(x, "bfloat16"), "float32")
-        bits = T.reinterpret(x, "uint32")
-        return T.reinterpret((bits + 0x7FFF + ((bits >> 16) & 1)) & T.uint32(0xFFFF0000), "float32")
+    to_bf16, reduce_rows = target_macros(cuda)
 
     @T.macro
     def exp2i(e):
@@ -76,26 +69,6 @@ def build(target):
         q = (sig + (1 << (shift - 1)) - 1 + ((sig >> shift) & 1)) >> shift
         out = T.if_then_else(mag < 0x800000, 0.0, T.cast(q, "float32") * exp2i(T.max(e, MIN_EXP) - MANTISSA))
         return T.if_then_else(bits < 0, -out, out)
-
-    @T.macro
-    def row_sum(x, total):
-        if cuda:
-            T.reduce_sum(x, total, dim=1)
-        else:
-            for j in T.Parallel(BLOCK_J):
-                total[j] = 0.0
-                for d in T.serial(BLOCK_D):
-                    total[j] += x[j, d]
-
-    @T.macro
-    def row_max(x, top):
-        if cuda:
-            T.reduce_max(x, top, dim=1)
-        else:
-            for j in T.Parallel(BLOCK_J):
-                top[j] = 0.0
-                for d in T.serial(BLOCK_D):
-                    top[j] = T.max(top[j], x[j, d])
 
     @T.macro
     def block_absmax(x, top):
@@ -125,14 +98,14 @@ def build(target):
             nan[j, d] = T.if_then_else(unset or (T.reinterpret(p, "uint32") & 0x7FFFFFFF) > 0x7F800000, 1.0, 0.0)
             x[j, d] = to_bf16(p)
             square[j, d] = x[j, d] * x[j, d]
-        row_sum(square, total)
-        row_max(nan, any_nan)
+        reduce_rows(square, total, BLOCK_J, BLOCK_D, "sum")
+        reduce_rows(nan, any_nan, BLOCK_J, BLOCK_D, "max")
         for j, d in T.Parallel(BLOCK_J, BLOCK_D):
             weight = T.if_then_else(d < WIDTH, norm_w[T.min(d, WIDTH - 1)], 0.0)
             scratch[0, j, d] = to_bf16(weight * (x[j, d] * T.rsqrt(total[j] * (1.0 / WIDTH) + eps)))
         for j, d in T.Parallel(BLOCK_J, BLOCK_D):
             # RoPE on the interleaved pairs of the last ROPE dims, with entry j's cos / sin
-            k = T.max(d - (WIDTH - ROPE), 0) // 2
+            k = T.min(T.max(d - (WIDTH - ROPE), 0) // 2, ROPE // 2 - 1)  # in range for every d (loads are eager)
             jj = T.min(j0 + j, n_blocks - 1)
             a = scratch[0, j, d - d % 2]
             c = scratch[0, j, d - d % 2 + 1]
@@ -259,16 +232,16 @@ def _kernel(ratio: int, width: int, overlap: bool, rope: int, rotate: bool, pow2
     return name, kernel, config, target, pooled
 
 
-def _launch(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def _launch(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
             norm_weight: torch.Tensor, eps: float, ratio: int, width: int, n_blocks: int, rotate: bool,
             pow2: bool, state: bool) -> torch.Tensor:
     bsz, half = kv.shape[0], cos.shape[-1]
+    # a decode state's bias is in its scores: the kernel reads none (an unfilled table of the declared shape)
+    ape = score.new_empty(ratio, score.shape[-1]) if ape is None else ape
     name, kernel, config, target, pooled = _kernel(ratio, width, kv.shape[-1] == 2 * width, 2 * half, rotate, pow2,
                                                    state, kv.device)
     kv, score, ape = kv.float().contiguous(), score.float().contiguous(), ape.float().contiguous()
-    # the entries' cos / sin as [B, n_blocks, ROPE / 2] (prefill tables may leave out the batch, a state's the entry)
-    cos, sin = ((t.float()[:, None] if state else t.float()).expand(bsz, n_blocks, half).contiguous()
-                for t in (cos, sin))
+    cos, sin = (per_entry_table(t, bsz, n_blocks, state).contiguous() for t in (cos, sin))
     norm_weight = norm_weight.float().contiguous()
     out = torch.empty(bsz, n_blocks, width, dtype=torch.bfloat16 if target == "cuda" else torch.float32,
                       device=kv.device)
@@ -285,23 +258,4 @@ def _launch(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, cos: torch
     return out[:, 0] if state else out
 
 
-def compressor_entries(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, width: int,
-                       n_blocks: int, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                       rotate: bool, pow2_scales: bool) -> torch.Tensor:
-    """TileLang body of ``v4compile::compressor_entries`` (dims the kernel does not take run the reference)."""
-    if supports(width, 2 * cos.shape[-1], rotate):
-        return reference.compressor_entries(kv, score, ape, ratio, width, n_blocks, cos, sin, norm_weight, eps,
-                                            rotate, pow2_scales)
-    return _launch(kv, score, ape, cos, sin, norm_weight, eps, ratio, width, n_blocks, rotate, pow2_scales, False)
-
-
-def compressor_entry_state(kv_state: torch.Tensor, score_state: torch.Tensor, ratio: int, width: int,
-                           cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float, rotate: bool,
-                           pow2_scales: bool) -> torch.Tensor:
-    """TileLang body of ``v4compile::compressor_entry_state`` (dims the kernel does not take run the reference)."""
-    if supports(width, 2 * cos.shape[-1], rotate):
-        return reference.compressor_entry_state(kv_state, score_state, ratio, width, cos, sin, norm_weight, eps,
-                                                rotate, pow2_scales)
-    # a decode state's scores already hold the positional bias: the kernel reads no bias (any tensor serves)
-    return _launch(kv_state, score_state, score_state[0, :ratio, :], cos, sin, norm_weight, eps, ratio, width, 1,
-                   rotate, pow2_scales, True)
+compressor_entries, compressor_entry_state = entry_bodies(_launch, "TileLang")

@@ -1,6 +1,6 @@
 """The lightning indexer's scoring in TileLang: ``sum_h w[h] * relu(q[h] . k[j])`` for one query's heads against
 TILES tiles of BLOCK_N keys per block. The key tiles stream through shared memory (asynchronous copies STAGES
-deep on CUDA), the [heads, keys] product runs on the tensor cores (wgmma) on CUDA and as plain loops on the ``c``
+deep on CUDA), the [keys, heads] product runs on the tensor cores (wgmma) on CUDA and as plain loops on the ``c``
 target, and every step rounds to bf16 as the model (and the official indexer) does, so the top-k that follows
 sees the same ties: the product, each weighted head, and the head sum.
 """
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..registry import REGISTRY
-from .common import compute_dtypes, load_kernels
+from .common import TARGET_MACROS, compute_dtypes, load_kernels
 
 _SOURCE = '''
 import tilelang
@@ -26,7 +26,7 @@ STAGES = {stages}
 THREADS = {threads}
 ROUND = {round}
 IN = "{in_dtype}"
-
+''' + TARGET_MACROS + '''
 
 def build(target):
     batch, seqlen, heads, n_keys = T.dynamic("batch"), T.dynamic("seqlen"), T.dynamic("heads"), T.dynamic("n_keys")
@@ -34,13 +34,7 @@ def build(target):
     # the c target keeps one dynamic shared buffer at most: its tiles are plain arrays there
     staged = T.alloc_shared if cuda else T.alloc_fragment
 
-    @T.macro
-    def to_bf16(x):
-        # round to the nearest bf16, ties to even (finite values; the c target has no 16-bit floats)
-        if cuda:
-            return T.cast(T.cast(x, "bfloat16"), "float32")
-        bits = T.reinterpret(x, "uint32")
-        return T.reinterpret((bits + 0x7FFF + ((bits >> 16) & 1)) & T.uint32(0xFFFF0000), "float32")
+    to_bf16, reduce_rows = target_macros(cuda)
 
     @T.macro
     def rounded(x):
@@ -59,16 +53,6 @@ def build(target):
                 dots[n, h] = 0.0
                 for d in T.serial(DIM):
                     dots[n, h] += T.cast(k_s[n, d], "float32") * T.cast(q_s[h, d], "float32")
-
-    @T.macro
-    def head_sum(dots, total):
-        if cuda:
-            T.reduce_sum(dots, total, dim=1)
-        else:
-            for n in T.Parallel(BLOCK_N):
-                total[n] = 0.0
-                for h in T.serial(BLOCK_H):
-                    total[n] += dots[n, h]
 
     @T.prim_func
     def indexer_scores(q: T.Tensor((batch, seqlen, heads, DIM), IN), keys: T.Tensor((batch, n_keys, DIM), IN),
@@ -90,7 +74,7 @@ def build(target):
                 product(k_s, q_s, dots)
                 for n, h in T.Parallel(BLOCK_N, BLOCK_H):
                     dots[n, h] = rounded(rounded(T.max(dots[n, h], 0.0)) * weight[h])
-                head_sum(dots, total)
+                reduce_rows(dots, total, BLOCK_N, BLOCK_H, "sum")  # the head sum
                 for n in T.Parallel(BLOCK_N):
                     if n0 + n < n_keys:
                         out[b, s, n0 + n] = rounded(total[n])
@@ -108,10 +92,11 @@ def kernel_name(dim: int, dtype: torch.dtype) -> str:
 
 def takes(q: torch.Tensor) -> bool:
     """Whether the TileLang kernel takes these queries: bf16 (the tensor-core product) on a CUDA device, bf16 or
-    fp32 on the CPU (``c`` target), a power-of-two head dim of 16+ and at most 64 heads (one wgmma tile)."""
+    fp32 on the CPU (``c`` target), a power-of-two head dim of 16 to 256 (the queries and three key tiles fit
+    in shared memory) and at most 64 heads (one wgmma tile)."""
     dim, heads = q.shape[-1], q.shape[-2]
     dtypes = (torch.bfloat16,) if q.device.type == "cuda" else (torch.bfloat16, torch.float32)
-    return q.device.type in ("cuda", "cpu") and q.dtype in dtypes and dim >= 16 and not dim & (dim - 1) \
+    return q.device.type in ("cuda", "cpu") and q.dtype in dtypes and 16 <= dim <= 256 and not dim & (dim - 1) \
         and heads <= 64
 
 

@@ -14,6 +14,7 @@ pooling's own fp32 rounding, in another summation order, moves a value across a 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -210,21 +211,23 @@ def _kernel(ratio: int, width: int, overlap: bool, rope: int, rotate: bool, pow2
     return name, getattr(module, fn)
 
 
-def _per_entry(table: torch.Tensor, bsz: int, n_blocks: int, state: bool) -> torch.Tensor:
-    """An entry's cos or sin as [B, n_blocks, rope/2] with a unit last stride (broadcast dims keep stride 0)."""
+def per_entry_table(table: torch.Tensor, bsz: int, n_blocks: int, state: bool) -> torch.Tensor:
+    """The entries' cos or sin as fp32 [B, n_blocks, rope/2] with a unit last stride (broadcast dims keep stride
+    0), from a table broadcastable to [B, n_blocks, rope/2] (prefill) or to [B, rope/2] (a decode state)."""
     table = table.float()
     table = table.expand(bsz, table.shape[-1])[:, None] if state else table.expand(bsz, n_blocks, table.shape[-1])
     return table if table.stride(-1) == 1 else table.contiguous()
 
 
-def _launch(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def _launch(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
             norm_weight: torch.Tensor, eps: float, ratio: int, width: int, n_blocks: int, rotate: bool,
             pow2: bool, state: bool) -> torch.Tensor:
     bsz = kv.shape[0]
+    ape = score if ape is None else ape  # a decode state's bias is in its scores: the kernel reads none
     rope = 2 * cos.shape[-1]
     kv, score = kv.float().contiguous(), score.float().contiguous()
     ape, norm_weight = ape.float().contiguous(), norm_weight.float().contiguous()
-    cos, sin = _per_entry(cos, bsz, n_blocks, state), _per_entry(sin, bsz, n_blocks, state)
+    cos, sin = per_entry_table(cos, bsz, n_blocks, state), per_entry_table(sin, bsz, n_blocks, state)
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     overlap = kv.shape[-1] == 2 * width
@@ -247,23 +250,32 @@ def _launch(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, cos: torch
     return out[:, 0] if state else out
 
 
-def compressor_entries(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, width: int,
-                       n_blocks: int, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                       rotate: bool, pow2_scales: bool) -> torch.Tensor:
-    """Triton body of ``v4compile::compressor_entries`` (dims the kernel does not take run the reference)."""
-    if supports(width, 2 * cos.shape[-1], rotate):
-        return reference.compressor_entries(kv, score, ape, ratio, width, n_blocks, cos, sin, norm_weight, eps,
-                                            rotate, pow2_scales)
-    return _launch(kv, score, ape, cos, sin, norm_weight, eps, ratio, width, n_blocks, rotate, pow2_scales, False)
+def entry_bodies(launch: Callable[..., torch.Tensor], backend: str) -> tuple[Callable[..., torch.Tensor], ...]:
+    """The bodies of ``v4compile::compressor_entries`` and ``v4compile::compressor_entry_state`` for a backend
+    whose ``launch(kv, score, ape, cos, sin, norm_weight, eps, ratio, width, n_blocks, rotate, pow2, state)``
+    runs its kernel (``ape`` None for a decode state, whose scores already hold the bias); dims the kernel does
+    not take (``supports``) run the reference, which names what is wrong."""
 
-
-def compressor_entry_state(kv_state: torch.Tensor, score_state: torch.Tensor, ratio: int, width: int,
-                           cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float, rotate: bool,
-                           pow2_scales: bool) -> torch.Tensor:
-    """Triton body of ``v4compile::compressor_entry_state`` (dims the kernel does not take run the reference)."""
-    if supports(width, 2 * cos.shape[-1], rotate):
-        return reference.compressor_entry_state(kv_state, score_state, ratio, width, cos, sin, norm_weight, eps,
+    def compressor_entries(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, width: int,
+                           n_blocks: int, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor,
+                           eps: float, rotate: bool, pow2_scales: bool) -> torch.Tensor:
+        if supports(width, 2 * cos.shape[-1], rotate):
+            return reference.compressor_entries(kv, score, ape, ratio, width, n_blocks, cos, sin, norm_weight, eps,
                                                 rotate, pow2_scales)
-    # a decode state's scores already hold the positional bias: the kernel reads no bias (any tensor serves)
-    return _launch(kv_state, score_state, score_state, cos, sin, norm_weight, eps, ratio, width, 1, rotate,
-                   pow2_scales, True)
+        return launch(kv, score, ape, cos, sin, norm_weight, eps, ratio, width, n_blocks, rotate, pow2_scales, False)
+
+    def compressor_entry_state(kv_state: torch.Tensor, score_state: torch.Tensor, ratio: int, width: int,
+                               cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                               rotate: bool, pow2_scales: bool) -> torch.Tensor:
+        if supports(width, 2 * cos.shape[-1], rotate):
+            return reference.compressor_entry_state(kv_state, score_state, ratio, width, cos, sin, norm_weight, eps,
+                                                    rotate, pow2_scales)
+        return launch(kv_state, score_state, None, cos, sin, norm_weight, eps, ratio, width, 1, rotate, pow2_scales,
+                      True)
+
+    compressor_entries.__doc__ = f"{backend} body of ``v4compile::compressor_entries``."
+    compressor_entry_state.__doc__ = f"{backend} body of ``v4compile::compressor_entry_state``."
+    return compressor_entries, compressor_entry_state
+
+
+compressor_entries, compressor_entry_state = entry_bodies(_launch, "Triton")

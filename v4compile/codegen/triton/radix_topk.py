@@ -355,17 +355,23 @@ MAX_GROUPS = 1 << 16
 
 
 _COUNTERS: dict[tuple[str, int], list[torch.Tensor]] = {}
-"""Per (device, stream): the row counters of every size handed out, newest (largest) last."""
+"""Per (device, stream): the row counters of every size handed out eagerly, newest (largest) last."""
 
 
 def _row_counters(device: torch.device, rows: int) -> torch.Tensor:
     """Per row: candidates gathered, group-maxima programs finished. Zeroed once when made; each call's
-    threshold program zeroes its rows again, so no call pays a fill. One set per stream (calls on one
-    stream run in order); outgrown sets stay alive, since a captured CUDA graph may still point at them."""
+    threshold program zeroes its rows again, so no call pays a fill. One set per stream (calls on one stream
+    run in order; a graph captured on a stream shares that stream's set, so graphs captured on one stream must
+    not be replayed concurrently); outgrown sets stay alive, since a captured graph may still point at them.
+    A set is only made outside capture: a capture without one takes a zero-filled set of its own, filled on
+    every replay (a fill made in capture runs only when that graph replays, so it cannot be shared)."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     held = _COUNTERS.setdefault((str(device), stream), [])
-    if not held or held[-1].shape[0] < rows:
-        held.append(torch.zeros(triton_next_pow2(rows), 2, dtype=torch.int32, device=device))
+    if held and held[-1].shape[0] >= rows:
+        return held[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(rows, 2, dtype=torch.int32, device=device)
+    held.append(torch.zeros(triton_next_pow2(rows), 2, dtype=torch.int32, device=device))
     return held[-1]
 
 
@@ -403,14 +409,18 @@ def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
         pdl = {"launch_pdl": True} if config["PDL"] else {}  # each kernel may start as its predecessor ends
 
         def run() -> None:
-            module.topk_group_max[(r, triton.cdiv(n_groups, config["TILE_G"]))](
-                rows, gmax, run_max, state, thresh, n, s_x, n_groups, n_runs, num_warps=config["warps_max"])
-            module.topk_collect[(r, collectors)](
-                rows, run_max, hot, thresh, state, cand, n, s_x, n_groups, n_runs, num_warps=config["warps_collect"],
-                **pdl)
-            module.topk_select[(r, config["SELECTORS"])](
-                rows, thresh, state, cand, values, ids, n, s_x, values.stride(0), ids.stride(0),
-                num_warps=config["warps_select"], **pdl)
+            try:
+                module.topk_group_max[(r, triton.cdiv(n_groups, config["TILE_G"]))](
+                    rows, gmax, run_max, state, thresh, n, s_x, n_groups, n_runs, num_warps=config["warps_max"])
+                module.topk_collect[(r, collectors)](
+                    rows, run_max, hot, thresh, state, cand, n, s_x, n_groups, n_runs,
+                    num_warps=config["warps_collect"], **pdl)
+                module.topk_select[(r, config["SELECTORS"])](
+                    rows, thresh, state, cand, values, ids, n, s_x, values.stride(0), ids.stride(0),
+                    num_warps=config["warps_select"], **pdl)
+            except BaseException:
+                state[:r].zero_()  # a grid stopped part way may have left tickets taken
+                raise
 
         REGISTRY.launch(name, run)
         REGISTRY.note_launch(name, grid=(r, collectors), launches_per_call=3, candidates=n, **config)
