@@ -61,35 +61,31 @@ def _run(op: str, backend: str, *args: Any) -> Any:
     return with_fallback(f"{op} ({backend})", lambda: fast(*args), lambda: ref(*args))
 
 
-def _reference_grads(op: str, tensors: tuple[torch.Tensor, ...], extra: tuple[Any, ...],
-                     grad: torch.Tensor | tuple[torch.Tensor, ...], trailing: int) -> tuple[torch.Tensor | None, ...]:
-    """Backward of a custom op by recomputing its reference body on ``tensors`` (then ``extra`` args) under
-    autograd; returns one gradient per tensor (None where not required) and ``trailing`` Nones."""
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
-        out = getattr(reference, op)(*leaves, *extra)
-        wanted = [t for t in leaves if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else [])
-    return (*(next(grads) if t.requires_grad else None for t in leaves), *([None] * trailing))
+_TENSOR = object()
+"""Stands in ``ctx.args`` for an input saved through ``save_for_backward``."""
 
 
-def _setup_by_position(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    """Saves a custom op's inputs for ``_grads_by_position``: tensors through ``save_for_backward``."""
-    ctx.save_for_backward(*[a for a in inputs if isinstance(a, torch.Tensor)])
-    ctx.args = [None if isinstance(a, torch.Tensor) else a for a in inputs]
+def _reference_backward(custom_op: Any, op: str, reference_inputs: int = -1) -> None:
+    """Registers the backward of ``custom_op``: its reference body ``op`` recomputed under autograd on the op's
+    inputs but the trailing backend (``reference_inputs``: how many of the leading inputs the reference takes);
+    one gradient per input, None for non-tensors and for tensors that need none."""
 
+    def setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.save_for_backward(*[a for a in inputs if isinstance(a, torch.Tensor)])
+        ctx.args = [_TENSOR if isinstance(a, torch.Tensor) else a for a in inputs]
 
-def _grads_by_position(op: str, ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    """Backward of a custom op whose tensor inputs sit anywhere among its arguments (the last one the backend):
-    its reference body recomputed under autograd; one gradient per argument, None for non-tensors."""
-    tensors = iter(ctx.saved_tensors)
-    args = [next(tensors) if a is None else a for a in ctx.args]
-    with torch.enable_grad():
-        leaves = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
-        out = getattr(reference, op)(*leaves[:-1])
-        wanted = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else [])
-    return tuple(next(grads) if isinstance(a, torch.Tensor) and a.requires_grad else None for a in leaves)
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        tensors = iter(ctx.saved_tensors)
+        args = [next(tensors) if a is _TENSOR else a for a in ctx.args]
+        with torch.enable_grad():
+            leaves = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+            out = getattr(reference, op)(*leaves[:reference_inputs])
+            wanted = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
+            grad = grads[0] if len(grads) == 1 else grads
+            found = iter(torch.autograd.grad(out, wanted, grad) if wanted else [])
+        return tuple(next(found) if isinstance(a, torch.Tensor) and a.requires_grad else None for a in leaves)
+
+    custom_op.register_autograd(backward, setup_context=setup)
 
 
 # ----------------------------------------------------------------------------- compressor_pool
@@ -107,17 +103,7 @@ def _(kv, score, ape, ratio, width, n_blocks, backend):
     return kv.new_empty(kv.shape[0], n_blocks, width, dtype=reference.accumulation_dtype(kv))
 
 
-def _pool_setup(ctx, inputs, output):
-    kv, score, ape, ratio, width, n_blocks, _ = inputs
-    ctx.save_for_backward(kv, score, ape)
-    ctx.args = (ratio, width, n_blocks)
-
-
-def _pool_backward(ctx, grad):
-    return _reference_grads("compressor_pool", ctx.saved_tensors, ctx.args, grad, trailing=4)
-
-
-compressor_pool.register_autograd(_pool_backward, setup_context=_pool_setup)
+_reference_backward(compressor_pool, "compressor_pool")
 
 
 # ----------------------------------------------------------------------------- compressor_pool_state
@@ -133,17 +119,7 @@ def _(kv_state, score_state, ratio, width, backend):
     return kv_state.new_empty(kv_state.shape[0], width, dtype=reference.accumulation_dtype(kv_state))
 
 
-def _state_setup(ctx, inputs, output):
-    kv_state, score_state, ratio, width, _ = inputs
-    ctx.save_for_backward(kv_state, score_state)
-    ctx.args = (ratio, width)
-
-
-def _state_backward(ctx, grad):
-    return _reference_grads("compressor_pool_state", ctx.saved_tensors, ctx.args, grad, trailing=3)
-
-
-compressor_pool_state.register_autograd(_state_backward, setup_context=_state_setup)
+_reference_backward(compressor_pool_state, "compressor_pool_state")
 
 
 # ----------------------------------------------------------------------------- compressor_entries
@@ -163,8 +139,7 @@ def _(kv, score, ape, ratio, width, n_blocks, cos, sin, norm_weight, eps, rotate
     return kv.new_empty(kv.shape[0], n_blocks, width, dtype=torch.bfloat16)
 
 
-compressor_entries.register_autograd(lambda ctx, grad: _grads_by_position("compressor_entries", ctx, grad),
-                                     setup_context=_setup_by_position)
+_reference_backward(compressor_entries, "compressor_entries")
 
 
 # ----------------------------------------------------------------------------- compressor_entry_state
@@ -183,8 +158,7 @@ def _(kv_state, score_state, ratio, width, cos, sin, norm_weight, eps, rotate, p
     return kv_state.new_empty(kv_state.shape[0], width, dtype=torch.bfloat16)
 
 
-compressor_entry_state.register_autograd(lambda ctx, grad: _grads_by_position("compressor_entry_state", ctx, grad),
-                                         setup_context=_setup_by_position)
+_reference_backward(compressor_entry_state, "compressor_entry_state")
 
 
 # ----------------------------------------------------------------------------- radix_topk
@@ -229,17 +203,7 @@ def _(q, kv, sink, index, scale, backend):
     return torch.empty_like(q)
 
 
-def _attention_setup(ctx, inputs, output):
-    q, kv, sink, index, scale, _ = inputs
-    ctx.save_for_backward(q, kv, sink)
-    ctx.args = (index, scale)
-
-
-def _attention_backward(ctx, grad):
-    return _reference_grads("sparse_attention", ctx.saved_tensors, ctx.args, grad, trailing=3)
-
-
-sparse_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
+_reference_backward(sparse_attention, "sparse_attention")
 
 
 @torch.library.custom_op("v4compile::sparse_attention_padded", mutates_args=())
@@ -267,17 +231,7 @@ def _(q, kv, sink, index, scale, multiple, backend):
     return torch.empty_like(q)
 
 
-def _padded_attention_setup(ctx, inputs, output):
-    q, kv, sink, index, scale, _, _ = inputs
-    ctx.save_for_backward(q, kv, sink)
-    ctx.args = (index, scale)
-
-
-def _padded_attention_backward(ctx, grad):
-    return _reference_grads("sparse_attention", ctx.saved_tensors, ctx.args, grad, trailing=4)
-
-
-sparse_attention_padded.register_autograd(_padded_attention_backward, setup_context=_padded_attention_setup)
+_reference_backward(sparse_attention_padded, "sparse_attention", reference_inputs=5)  # padding changes no value
 
 
 # ----------------------------------------------------------------------------- indexer_scores
@@ -292,15 +246,7 @@ def _(q, keys, weights, backend):
     return q.new_empty(q.shape[0], q.shape[1], keys.shape[1], dtype=torch.float32)
 
 
-def _scores_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:3])
-
-
-def _scores_backward(ctx, grad):
-    return _reference_grads("indexer_scores", ctx.saved_tensors, (), grad, trailing=1)
-
-
-indexer_scores.register_autograd(_scores_backward, setup_context=_scores_setup)
+_reference_backward(indexer_scores, "indexer_scores")
 
 
 # ----------------------------------------------------------------------------- mhc_pre
@@ -319,17 +265,7 @@ def _(x, fn, scale, base, iters, hc_eps, norm_eps, backend):
             x.new_empty(*lead, n, n, dtype=torch.float32))
 
 
-def _mhc_pre_setup(ctx, inputs, output):
-    x, fn, scale, base, iters, hc_eps, norm_eps, _ = inputs
-    ctx.save_for_backward(x, fn, scale, base)
-    ctx.args = (iters, hc_eps, norm_eps)
-
-
-def _mhc_pre_backward(ctx, grad_y, grad_post, grad_comb):
-    return _reference_grads("mhc_pre", ctx.saved_tensors, ctx.args, (grad_y, grad_post, grad_comb), trailing=4)
-
-
-mhc_pre.register_autograd(_mhc_pre_backward, setup_context=_mhc_pre_setup)
+_reference_backward(mhc_pre, "mhc_pre")
 
 
 # ----------------------------------------------------------------------------- mhc_post
@@ -344,15 +280,7 @@ def _(y, x, post, comb, backend):
     return x.new_empty(x.shape, dtype=y.dtype)
 
 
-def _mhc_post_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:4])
-
-
-def _mhc_post_backward(ctx, grad):
-    return _reference_grads("mhc_post", ctx.saved_tensors, (), grad, trailing=1)
-
-
-mhc_post.register_autograd(_mhc_post_backward, setup_context=_mhc_post_setup)
+_reference_backward(mhc_post, "mhc_post")
 
 
 # ----------------------------------------------------------------------------- moe_experts
