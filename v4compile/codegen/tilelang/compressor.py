@@ -34,6 +34,12 @@ FLOOR = -3.0e38
 
 
 @T.macro
+def tile(dtype):
+    # a [BLOCK_J entries, BLOCK_D dims] tile spread over the block's threads
+    return T.alloc_fragment((BLOCK_J, BLOCK_D), dtype)
+
+
+@T.macro
 def init(m, s, acc):
     for j, d in T.Parallel(BLOCK_J, BLOCK_D):
         m[j, d] = FLOOR
@@ -55,10 +61,7 @@ def absorb(m, s, acc, j, d, z, v):
 def pool_blocks(kv, score, ape, m, s, acc, b, j0, d0, n_blocks):
     # entries j0 .. j0 + BLOCK_J x dims d0 .. d0 + BLOCK_D of sequence b: their RATIO tokens (and, overlapping, block
     # j-1's left half), each token's score and value staged so that loads are plain vector copies
-    z = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
-    v = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
-    z_prev = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
-    v_prev = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
+    z, v, z_prev, v_prev = tile(IN), tile(IN), tile(IN), tile(IN)
     init(m, s, acc)
     for r in T.serial(RATIO):
         for j, d in T.Parallel(BLOCK_J, BLOCK_D):
@@ -85,10 +88,7 @@ def pool_blocks(kv, score, ape, m, s, acc, b, j0, d0, n_blocks):
 def pool_state(kv, score, m, s, acc, b, d0):
     # one decode state's open block (and, overlapping, the previous block's slot) over dims d0 .. d0 + BLOCK_D;
     # its scores already hold the bias and may be -inf
-    z = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
-    v = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
-    z_prev = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
-    v_prev = T.alloc_fragment((BLOCK_J, BLOCK_D), IN)
+    z, v, z_prev, v_prev = tile(IN), tile(IN), tile(IN), tile(IN)
     init(m, s, acc)
     for r in T.serial(RATIO):
         for j, d in T.Parallel(BLOCK_J, BLOCK_D):
@@ -123,9 +123,7 @@ def build(target):
              ape: T.Tensor((RATIO, COLS), ACC), out: T.Tensor((batch, n_blocks, WIDTH), ACC)):
         # one block: BLOCK_J consecutive entries x BLOCK_D dims of one sequence; threads run along dims
         with T.Kernel(T.ceildiv(WIDTH, BLOCK_D), T.ceildiv(n_blocks, BLOCK_J), batch, threads=THREADS) as (bd, bj, b):
-            m = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
-            s = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
-            acc = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
+            m, s, acc = tile(ACC), tile(ACC), tile(ACC)  # running max, sum of weights, weighted sum
             pool_blocks(kv, score, ape, m, s, acc, b, bj * BLOCK_J, bd * BLOCK_D, n_blocks)
             for j, d in T.Parallel(BLOCK_J, BLOCK_D):
                 jj = bj * BLOCK_J + j
@@ -146,9 +144,7 @@ def build(target):
              out: T.Tensor((batch, WIDTH), ACC)):
         # one block: one row's whole width (BLOCK_J = 1); scores already hold the bias and may be -inf
         with T.Kernel(T.ceildiv(WIDTH, BLOCK_D), batch, threads=THREADS) as (bd, b):
-            m = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
-            s = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
-            acc = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
+            m, s, acc = tile(ACC), tile(ACC), tile(ACC)  # running max, sum of weights, weighted sum
             pool_state(kv, score, m, s, acc, b, bd * BLOCK_D)
             for j, d in T.Parallel(BLOCK_J, BLOCK_D):
                 dd = bd * BLOCK_D + d

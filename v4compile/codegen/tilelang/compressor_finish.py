@@ -85,9 +85,7 @@ def build(target):
         # the pooled entries acc / s [BLOCK_J, BLOCK_D] -> finished bf16 entries out[b, j0 + j]; a dim whose
         # scores were all -inf (its running max never left FLOOR) is NaN in the model and makes the entry NaN
         scratch = T.alloc_shared((2, BLOCK_J, BLOCK_D), "float32")
-        x = T.alloc_fragment((BLOCK_J, BLOCK_D), "float32")
-        square = T.alloc_fragment((BLOCK_J, BLOCK_D), "float32")
-        nan = T.alloc_fragment((BLOCK_J, BLOCK_D), "float32")
+        x, square, nan = tile("float32"), tile("float32"), tile("float32")
         total = T.alloc_fragment((BLOCK_J,), "float32")
         any_nan = T.alloc_fragment((BLOCK_J,), "float32")
         e = T.alloc_fragment((BLOCK_J, QBLOCKS, QBLOCK), "float32")
@@ -145,9 +143,7 @@ def build(target):
                         eps: T.float32, out: T.Tensor((batch, n_blocks, WIDTH), OUT)):
         # one block: BLOCK_J whole entries of one sequence (a decode state: its one open entry, seq = SLOTS)
         with T.Kernel(T.ceildiv(n_blocks, BLOCK_J), batch, threads=THREADS) as (bj, b):
-            m = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
-            s = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
-            acc = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
+            m, s, acc = tile(ACC), tile(ACC), tile(ACC)
             if STATE:
                 pool_state(kv, score, m, s, acc, b, 0)
             else:
@@ -161,9 +157,7 @@ def build(target):
                       eps: T.float32, out: T.Tensor((batch, n_blocks, WIDTH), OUT)):
         # entries the pooling kernel left in ``pooled`` (NaN where a dim had no score): BLOCK_J per block
         with T.Kernel(T.ceildiv(n_blocks, BLOCK_J), batch, threads=THREADS) as (bj, b):
-            m = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
-            s = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
-            acc = T.alloc_fragment((BLOCK_J, BLOCK_D), ACC)
+            m, s, acc = tile(ACC), tile(ACC), tile(ACC)
             for j, d in T.Parallel(BLOCK_J, BLOCK_D):
                 jj = T.min(bj * BLOCK_J + j, n_blocks - 1)
                 m[j, d] = 0.0
