@@ -43,17 +43,24 @@ def tiny_model() -> v4compile.DeepSeekV4:
 
 
 def _fp4_neighbours(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """Whether each pair is one step apart on the e2m1 grid times some power-of-two scale (their block's): the
-    larger of the two is 0.5 to 6 scales, so the scale is 2**(floor(log2 larger) - f) for f in -1..2."""
+    """Whether each pair is one e2m1 step apart: both on the grid times a power-of-two scale s (the larger of the
+    two is 0.5 to 6 scales, so s = 2**(floor(log2 larger) - f) for f in -1..2), or on the grids of s and s / 2
+    (one each: their blocks' scales differ where the block maximum crossed a power of two) within one step of
+    the coarser grid."""
     grid = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), dtype=torch.float64)
     g, w = got.double().cpu(), want.double().cpu()
-    base = torch.floor(torch.log2(torch.maximum(g.abs(), w.abs())))
+    top = torch.maximum(g.abs(), w.abs())
+    base = torch.floor(torch.log2(top))
     ok = torch.zeros_like(g, dtype=torch.bool)
     for f in (-1, 0, 1, 2):
         scale = torch.exp2(base - f)
         at_g, at_w = (g.abs() / scale)[:, None] == grid, (w.abs() / scale)[:, None] == grid
         apart = (at_g.float().argmax(1) - at_w.float().argmax(1)).abs() == 1
-        ok |= at_g.any(1) & at_w.any(1) & apart & (g * w >= 0)
+        fine_g, fine_w = (2 * g.abs() / scale)[:, None] == grid, (2 * w.abs() / scale)[:, None] == grid
+        step = torch.where(top / scale <= 2, 0.5, torch.where(top / scale <= 4, 1.0, 2.0)) * scale
+        one_each = at_g.any(1) & fine_w.any(1) | fine_g.any(1) & at_w.any(1)
+        mixed = one_each & ((g - w).abs() <= step)
+        ok |= (at_g.any(1) & at_w.any(1) & apart | mixed) & (g * w >= 0)
     return ok
 
 
