@@ -135,7 +135,7 @@ class CompressorFinish(GraphPass):
 
     def analyze(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
         """The finish after the pooled entries, on dims the finishing kernel takes."""
-        from ..codegen.triton.compressor_finish import supports
+        from ..codegen.triton.compressor_finish import kernel_name, supports
 
         *pool_args, backend = node.args
         state = is_op(node, torch.ops.v4compile.compressor_pool_state)
@@ -148,9 +148,9 @@ class CompressorFinish(GraphPass):
         if unsupported:
             raise NoMatch(unsupported)
         name = "compressor_entry_state" if state else "compressor_entries"
-        form = "hadamard_fp4" if finish.rotate else "fp8"
-        kernel = f"{name}.c{ratio}.w{width}.{form}.{ops.implementation_backend(name, backend)}"
+        kernel = kernel_name(ratio, width, finish.rotate, state, ops.implementation_backend(name, backend))
         args = (*pool_args, finish.cos, finish.sin, finish.weight, finish.eps, finish.rotate, finish.pow2, backend)
         return Rewrite(finish.output, getattr(ops, name), args, kernel,
-                       {"form": "decode" if state else "prefill", "ratio": ratio, "width": width, "finish": form,
-                        "rope": finish.rope, "pow2_scales": finish.pow2})
+                       {"form": "decode" if state else "prefill", "ratio": ratio, "width": width,
+                        "finish": "hadamard_fp4" if finish.rotate else "fp8", "rope": finish.rope,
+                        "pow2_scales": finish.pow2})

@@ -40,6 +40,12 @@ def tile(dtype):
 
 
 @T.macro
+def quiet_nan(dtype):
+    # NaN from its bits (the c target's fast math may fold a NaN literal)
+    return T.cast(T.reinterpret(T.uint32(0x7FC00000), "float32"), dtype)
+
+
+@T.macro
 def init(m, s, acc):
     for j, d in T.Parallel(BLOCK_J, BLOCK_D):
         m[j, d] = FLOOR
@@ -150,8 +156,7 @@ def build(target):
                 dd = bd * BLOCK_D + d
                 if dd < WIDTH:
                     # a dim with no slot written (every score -inf) is NaN, as in the model's softmax
-                    nan = T.cast(T.reinterpret(T.uint32(0x7FC00000), "float32"), ACC)
-                    out[b, dd] = T.if_then_else(m[j, d] <= FLOOR, nan, acc[j, d] / s[j, d])
+                    out[b, dd] = T.if_then_else(m[j, d] <= FLOOR, quiet_nan(ACC), acc[j, d] / s[j, d])
 
     return compile_kernel({fn}, target)
 '''

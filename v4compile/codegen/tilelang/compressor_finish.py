@@ -20,7 +20,7 @@ import torch
 
 from ...model import quant
 from ..registry import REGISTRY
-from ..triton.compressor_finish import entry_bodies, per_entry_table
+from ..triton.compressor_finish import entry_bodies, kernel_name, per_entry_table
 from .common import TARGET_MACROS, load_kernels
 from .compressor import _HEADER, compressor_pool, compressor_pool_state
 
@@ -132,7 +132,7 @@ def build(target):
                 value = quantized
             else:
                 value = T.if_then_else(d < WIDTH - ROPE, quantized, scratch[1, j, d])
-            value = T.if_then_else(any_nan[j] > 0.0, T.reinterpret(T.uint32(0x7FC00000), "float32"), to_bf16(value))
+            value = T.if_then_else(any_nan[j] > 0.0, quiet_nan("float32"), to_bf16(value))
             if j0 + j < n_blocks and d < WIDTH:
                 out[b, j0 + j, d] = T.cast(value, OUT)
 
@@ -181,13 +181,6 @@ def _hadamard(width: int) -> tuple[str, int]:
     return "\n".join(lines), plane
 
 
-def kernel_name(ratio: int, width: int, rotate: bool, state: bool) -> str:
-    """Stable kernel name, e.g. ``compressor_entries.c4.w512.fp8.tilelang`` (``compressor_entry_state`` for the
-    decode form, ``.hadamard_fp4`` for the indexer branch)."""
-    form = "hadamard_fp4" if rotate else "fp8"
-    return f"{'compressor_entry_state' if state else 'compressor_entries'}.c{ratio}.w{width}.{form}.tilelang"
-
-
 FUSED_RATIO = 16
 """Blocks of at most this many tokens are pooled by the finishing kernel itself (whole entries per block); longer
 ones (C128) by the pooling kernel, many blocks per entry, whose pooled entries the finishing kernel then reads:
@@ -206,7 +199,7 @@ def _kernel(ratio: int, width: int, overlap: bool, rope: int, rotate: bool, pow2
     """Builds (once) the finishing kernel; returns its name, the kernel, its launch config, its target and whether
     it reads pooled entries (else it pools them itself)."""
     target = "cuda" if device.type == "cuda" else "c"
-    name = kernel_name(ratio, width, rotate, state)
+    name = kernel_name(ratio, width, rotate, state, "tilelang")
     config = launch_config(width, state)
     pooled = ratio > FUSED_RATIO
     qblock, qmax = (quant.FP4_BLOCK, quant.FP4_MAX) if rotate else (quant.FP8_KV_BLOCK, quant.FP8_MAX)

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from ..registry import REGISTRY
-from .common import TARGET_MACROS, compute_dtypes, load_kernels
+from ..triton import indexer_scores as triton_scores
+from .common import DTYPES, TARGET_MACROS, compute_dtypes, load_kernels
 
 _SOURCE = '''
 import tilelang
@@ -85,11 +86,6 @@ def build(target):
 '''
 
 
-def kernel_name(dim: int, dtype: torch.dtype) -> str:
-    """Stable kernel name, e.g. ``indexer_scores.d128.bf16.tilelang``."""
-    return f"indexer_scores.d{dim}.{'bf16' if dtype == torch.bfloat16 else 'fp32'}.tilelang"
-
-
 def takes(q: torch.Tensor) -> bool:
     """Whether the TileLang kernel takes these queries: bf16 (the tensor-core product) on a CUDA device, bf16 or
     fp32 on the CPU (``c`` target), a power-of-two head dim of 16 to 256 (the queries and three key tiles fit
@@ -117,8 +113,6 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
     """TileLang body of ``v4compile::indexer_scores``: q [B,S,H,d], keys [B,N,d], weights [B,S,H] -> [B,S,N] fp32.
     Queries the kernel does not take (see ``takes``) run the Triton kernel. ``config`` overrides the launch
     configuration (benchmark sweeps)."""
-    from ..triton import indexer_scores as triton_scores
-
     if not takes(q):
         return triton_scores.indexer_scores(q, keys, weights)
     bsz, seqlen, heads, dim = q.shape
@@ -127,12 +121,12 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
     config = config or launch_config(bsz * seqlen, keys.shape[1], cuda,
                                      torch.cuda.get_device_properties(q.device).multi_processor_count if cuda else 1)
     block_h = 64 if cuda else max(16, 1 << (heads - 1).bit_length())
-    name = kernel_name(dim, q.dtype)
-    source = _SOURCE.format(dim=dim, block_h=block_h, round=q.dtype == torch.bfloat16,
-                            in_dtype=str(in_dtype).removeprefix("torch."), **config)
-    kernel: Any = REGISTRY.build(name, "tilelang", "v4compile::indexer_scores", lambda: source,
-                                 lambda path: load_kernels(path, target, name),
-                                 key=(target, block_h, *sorted(config.items())))
+    name = triton_scores.kernel_name(dim, q.dtype, "tilelang")
+    kernel: Any = REGISTRY.build(
+        name, "tilelang", "v4compile::indexer_scores",
+        lambda: _SOURCE.format(dim=dim, block_h=block_h, round=q.dtype == torch.bfloat16, in_dtype=DTYPES[in_dtype],
+                               **config),
+        lambda path: load_kernels(path, target, name), key=(target, block_h, *sorted(config.items())))
     q, keys, weights = (t.to(in_dtype).contiguous() for t in (q, keys.to(q.dtype), weights.to(q.dtype)))
     out = torch.empty(bsz, seqlen, keys.shape[1], dtype=torch.float32, device=q.device)
     if out.numel():

@@ -160,11 +160,11 @@ def _hadamard_source(n: int) -> str:
     return "\n".join(lines + ["    return x", ""])
 
 
-def kernel_name(ratio: int, width: int, rotate: bool, state: bool) -> str:
+def kernel_name(ratio: int, width: int, rotate: bool, state: bool, backend: str = "triton") -> str:
     """Stable kernel name, e.g. ``compressor_entries.c4.w512.fp8.triton`` (``compressor_entry_state`` for the
-    decode form, ``.hadamard_fp4`` for the indexer branch)."""
+    decode form, ``.hadamard_fp4`` for the indexer branch, ``.tilelang`` for that backend's kernel)."""
     form = "hadamard_fp4" if rotate else "fp8"
-    return f"{'compressor_entry_state' if state else 'compressor_entries'}.c{ratio}.w{width}.{form}.triton"
+    return f"{'compressor_entry_state' if state else 'compressor_entries'}.c{ratio}.w{width}.{form}.{backend}"
 
 
 def launch_config(ratio: int, width: int, state: bool) -> dict[str, int]:

@@ -47,9 +47,9 @@ def indexer_scores(Q, KEYS, W, OUT, seqlen, heads, n_keys, s_qb, s_qs, s_qh, s_k
 '''
 
 
-def kernel_name(dim: int, dtype: torch.dtype) -> str:
-    """Stable kernel name, e.g. ``indexer_scores.d128.bf16.triton``."""
-    return f"indexer_scores.d{dim}.{'bf16' if dtype == torch.bfloat16 else 'fp32'}.triton"
+def kernel_name(dim: int, dtype: torch.dtype, backend: str = "triton") -> str:
+    """Stable kernel name, e.g. ``indexer_scores.d128.bf16.triton`` (``.tilelang`` for that backend's kernel)."""
+    return f"indexer_scores.d{dim}.{'bf16' if dtype == torch.bfloat16 else 'fp32'}.{backend}"
 
 
 def launch_config(heads: int, cuda: bool) -> dict[str, int]:
