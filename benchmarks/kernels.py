@@ -288,11 +288,22 @@ def topk_row(ceil: dict[str, float], quick: bool, batch: int, k: int, n: int = 2
         return ops.radix_topk(x, k, False, "triton")
 
     host_us = bench(ours, quick)
+    tilelang = ""
+    if importlib.util.find_spec("tilelang") is not None:
+        def theirs() -> tuple[torch.Tensor, torch.Tensor]:
+            return ops.radix_topk(x, k, False, "tilelang")
+
+        tl_v, tl_i = theirs()
+        if not (torch.equal(tl_i, want_i) and torch.equal(tl_v, want_v)):
+            raise AssertionError(f"TileLang radix top-k {batch}x{n} k={k} differs from the stable-sort reference")
+        _ran(f"radix_topk.k{k}.tilelang")
+        tilelang = (f"; TileLang kernels {bench(graphed(theirs), quick):.1f} us, in a 20-call graph "
+                    f"{in_graph_us(theirs, quick):.1f} us/call")
     return Row(f"top-k k={k} (CUDA graph){', heavy ties' if ties else ''}", f"batch {batch} x {n}",
                bench(graphed(ours), quick), bench(graphed(lambda: reference.radix_topk(x, k, False)), quick),
                bench(graphed(lambda: compiled(x)), quick), 1e6 * moved / ceil["copy_bytes_per_s"], moved,
                note=f"torch.topk {topk_us:.1f} us; ours in a 20-call graph {in_graph_us(ours, quick):.1f} us/call; "
-                    f"as a host call {host_us:.1f} us")
+                    f"as a host call {host_us:.1f} us{tilelang}")
 
 
 def attention_inputs(batch: int, heads: int, selected: int, entries: int,

@@ -168,3 +168,50 @@ def test_compressor_entry_state_takes_what_the_reference_takes() -> None:
     empty = ops.compressor_entry_state(kv[:0], score[:0], 4, 96, cos[:0], sin[:0], weight, 1e-6, False, True,
                                        "tilelang")
     assert empty.shape == (0, 96) and empty.dtype == torch.bfloat16
+
+
+def _topk_scores() -> torch.Tensor:
+    """Rows that stress the selection: heavy ties at the threshold, NaN of either sign and signed zeros, fewer
+    real scores than k (-inf fills the rest), and periodic scores (every group holds repeated values)."""
+    torch.manual_seed(3)
+    x = torch.randn(4, 3000)
+    x[0, :1000] = torch.randint(-2, 3, (1000,)).float()
+    x[1, 100:110] = float("nan")
+    x[1, 200:205] = -float("nan")
+    x[1, 300:310] = -0.0
+    x[2] = float("-inf")
+    x[2, ::500] = torch.randn(6)
+    x[3] = (torch.arange(3000) % 50).float()
+    return x
+
+
+def _assert_same_selection(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))  # NaN payloads and zero signs too
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_radix_topk_is_the_stable_sort_prefix(mask: bool) -> None:
+    x = _topk_scores()
+    _assert_same_selection(ops.radix_topk(x, 32, mask, "tilelang"), reference.radix_topk(x, 32, mask))
+    assert REGISTRY.records["radix_topk.k32.tilelang"].launches
+
+
+def test_radix_topk_bf16_short_rows_and_k_equal_to_the_row() -> None:
+    x = torch.randn(3, 257).bfloat16()
+    values, ids = ops.radix_topk(x, 32, False, "tilelang")
+    want_v, want_i = reference.radix_topk(x, 32, False)
+    assert values.dtype == torch.bfloat16 and torch.equal(ids, want_i) and torch.equal(values, want_v)
+    whole = torch.randn(2, 32)
+    _assert_same_selection(ops.radix_topk(whole, 32, False, "tilelang"), reference.radix_topk(whole, 32, False))
+    with pytest.raises(ValueError, match="k=33"):
+        ops.radix_topk(whole, 33, False, "tilelang")
+
+
+def test_radix_topk_candidate_overflow_takes_the_exact_path() -> None:
+    from v4compile.codegen.tilelang import radix_topk
+
+    x = _topk_scores()
+    config = {**radix_topk.launch_config(4, 3000, 32, cuda=False), "cap": 32}  # any extra candidate overflows
+    for mask in (False, True):
+        _assert_same_selection(radix_topk.radix_topk(x, 32, mask, config), reference.radix_topk(x, 32, mask))

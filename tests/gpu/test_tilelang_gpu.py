@@ -130,3 +130,40 @@ def test_indexer_scores_cuda(batch: int, seqlen: int, heads: int, keys: int) -> 
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     record = REGISTRY.records["indexer_scores.d128.bf16.tilelang"]
     assert record.error is None and record.launch["target"] == "cuda" and "wgmma" in (record.lowered or "")
+
+
+@pytest.mark.parametrize(("rows", "n", "k", "scores"), [
+    (1, 262144, 512, "heavy"), (64, 262144, 512, "bf16"), (3, 262144, 512, "short"), (2, 50000, 512, "nan"),
+    (2, 80000, 512, "periodic"), (1, 1 << 20, 2048, "bf16")])
+def test_radix_topk_cuda(rows: int, n: int, k: int, scores: str) -> None:
+    x = torch.randn(rows, n, device="cuda")
+    if scores == "heavy":  # thousands tie at the threshold
+        x[:, : n // 3] = torch.randint(-2, 3, (rows, n // 3), device="cuda").float()
+    elif scores == "periodic":  # every group holds one repeated value
+        x = (torch.arange(n, device="cuda") % 1250).float().expand(rows, n).contiguous()
+    elif scores == "short":  # fewer real scores than k: -inf fills the rest from the lowest index
+        x = torch.full((rows, n), float("-inf"), device="cuda")
+        x[:, ::1000] = torch.randn(rows, -(-n // 1000), device="cuda")
+    elif scores == "nan":  # NaN of either sign ranks first, ties by index; zeros keep their sign
+        x[:, 100:110] = float("nan")
+        x[:, 200:205] = -float("nan")
+        x[:, 300:310] = -0.0
+    else:  # bf16-valued scores like the indexer's
+        x = x.bfloat16().float()
+    x[0, n // 2 :] = float("-inf")
+    for mask in (False, True):
+        got_v, got_i = ops.radix_topk(x, k, mask, "tilelang")
+        # the reference on the CPU: torch's CUDA sort ranks a NaN with the sign bit set last, its CPU sort first
+        want_v, want_i = (t.cuda() for t in reference.radix_topk(x.cpu(), k, mask))
+        assert torch.equal(got_i, want_i) and torch.equal(got_v.view(torch.int32), want_v.view(torch.int32))
+    assert REGISTRY.records[f"radix_topk.k{k}.tilelang"].launches
+
+
+def test_radix_topk_candidate_overflow_takes_the_exact_path_cuda() -> None:
+    from v4compile.codegen.tilelang import radix_topk
+
+    x = torch.randn(2, 262144, device="cuda")
+    config = {**radix_topk.launch_config(2, 262144, 512, True), "cap": 512}  # any extra candidate overflows
+    got_v, got_i = radix_topk.radix_topk(x, 512, False, config)
+    want_v, want_i = reference.radix_topk(x, 512, False)
+    assert torch.equal(got_i, want_i) and torch.equal(got_v, want_v)

@@ -306,9 +306,9 @@ def topk_select(X, THRESH, STATE, CAND, VALUES, IDS, n, s_x, s_v, s_i):
 '''
 
 
-def kernel_name(k: int) -> str:
-    """Stable kernel name, e.g. ``radix_topk.k512.triton``."""
-    return f"radix_topk.k{k}.triton"
+def kernel_name(k: int, backend: str = "triton") -> str:
+    """Stable kernel name of either backend's top-k, e.g. ``radix_topk.k512.triton``."""
+    return f"radix_topk.k{k}.{backend}"
 
 
 def launch_config(rows: int, n: int, k: int, cuda: bool) -> dict[str, int]:
