@@ -240,6 +240,10 @@ def build(target):
 '''
 
 
+MAX_K = 4096
+"""Largest k the kernel takes: the ranking stages its candidate room (4k packed values) in shared memory."""
+
+
 def launch_config(rows: int, n: int, k: int, cuda: bool) -> dict[str, int]:
     """Group size (a power of two leaving at least ``8k`` groups, so about k candidates pass the threshold, and at
     most 64 candidates a thread: fewer groups keep the threshold's histograms short, which costs more than the
@@ -256,10 +260,13 @@ def launch_config(rows: int, n: int, k: int, cuda: bool) -> dict[str, int]:
 def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
                config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """TileLang body of ``v4compile::radix_topk``: the k largest of the last dim, ordered like a stable
-    descending sort (NaN first). ``config`` overrides the launch configuration (benchmark sweeps)."""
+    descending sort (NaN first). k beyond ``MAX_K`` (the candidates would not fit in shared memory) runs the
+    Triton kernel. ``config`` overrides the launch configuration (benchmark sweeps)."""
     n = x.shape[-1]
     if not 0 < k <= n:
         raise ValueError(f"radix_topk needs 1 <= k <= {n} (the last dim), got k={k}")
+    if k > MAX_K:
+        return triton_topk.radix_topk(x, k, mask_invalid)
     if x.dtype not in triton_topk.KEYED_DTYPES or x.device.type not in ("cuda", "cpu") or n >= 1 << 32:
         return reference.radix_topk(x, k, mask_invalid)
     cuda = x.device.type == "cuda"
