@@ -121,10 +121,12 @@ def build(target):
 
     @T.macro
     def emit(x, values, ids, row, p, rank):
-        j = T.cast(T.cast(p & T.uint64(0xFFFFFFFF), "uint32") ^ T.uint32(0xFFFFFFFF), "int64")
+        # an int32 index (n < 2**31), so the row's offset is formed in 64 bits as in every other access
+        j = T.cast(T.cast(p & T.uint64(0xFFFFFFFF), "uint32") ^ T.uint32(0xFFFFFFFF), "int32")
         v = x[row, j]
         values[row, rank] = v
-        ids[row, rank] = T.if_then_else(MASK_INVALID and T.reinterpret(v, "int32") == T.int32(-8388608), T.int64(-1), j)
+        ids[row, rank] = T.if_then_else(MASK_INVALID and T.reinterpret(v, "int32") == T.int32(-8388608), T.int64(-1),
+                                        T.cast(j, "int64"))
 
     @T.prim_func
     def topk_group_max(x: T.Tensor((rows, n), "float32"), gmax: T.Tensor((rows, n_groups), U64)):
@@ -243,6 +245,10 @@ def build(target):
 MAX_K = 4096
 """Largest k the kernel takes: the ranking stages its candidate room (4k packed values) in shared memory."""
 
+MAX_CANDIDATES = 1 << 25
+"""Most candidates per row the kernel takes: a row's collecting blocks sit on the grid's second axis (at most
+65,535 blocks of 1024); the Triton kernel takes longer rows."""
+
 
 def launch_config(rows: int, n: int, k: int, cuda: bool) -> dict[str, int]:
     """Group size (a power of two leaving at least ``8k`` groups, so about k candidates pass the threshold, and at
@@ -260,19 +266,23 @@ def launch_config(rows: int, n: int, k: int, cuda: bool) -> dict[str, int]:
 def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
                config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """TileLang body of ``v4compile::radix_topk``: the k largest of the last dim, ordered like a stable
-    descending sort (NaN first). k beyond ``MAX_K`` (the candidates would not fit in shared memory) runs the
-    Triton kernel. ``config`` overrides the launch configuration (benchmark sweeps)."""
+    descending sort (NaN first). k beyond ``MAX_K`` or rows beyond ``MAX_CANDIDATES`` run the Triton kernel.
+    ``config`` overrides the launch configuration (benchmark sweeps); one leaving fewer than k groups is a
+    ValueError."""
     n = x.shape[-1]
     if not 0 < k <= n:
         raise ValueError(f"radix_topk needs 1 <= k <= {n} (the last dim), got k={k}")
-    if k > MAX_K:
+    if k > MAX_K or n > MAX_CANDIDATES:
         return triton_topk.radix_topk(x, k, mask_invalid)
-    if x.dtype not in triton_topk.KEYED_DTYPES or x.device.type not in ("cuda", "cpu") or n >= 1 << 32:
+    if x.dtype not in triton_topk.KEYED_DTYPES or x.device.type not in ("cuda", "cpu"):
         return reference.radix_topk(x, k, mask_invalid)
     cuda = x.device.type == "cuda"
     rows = x.reshape(-1, n).float().contiguous()
     r = rows.shape[0]
     config = config or launch_config(r, n, k, cuda)
+    if -(-n // config["group"]) < k:
+        raise ValueError(f"radix_topk: groups of {config['group']} leave {-(-n // config['group'])} group maxima "
+                         f"for {n} candidates, fewer than k={k}")
     target = "cuda" if cuda else "c"
     name = triton_topk.kernel_name(k, "tilelang")
     group_max, threshold, collect, select = REGISTRY.build(
