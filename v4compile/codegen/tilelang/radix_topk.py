@@ -120,6 +120,17 @@ def build(target):
         done[r + 1] = 1
 
     @T.macro
+    def search(hist, above, acc, vals, prefix, left, done, src, row, from_row, threads):
+        # the k-th largest of the row's values (see histogram) by up to eight 8-bit rounds: prefix[8]
+        start(prefix, left, done)
+        for r in T.serial(8):
+            if done[r] == 0:
+                histogram(hist, src, row, from_row, vals, prefix, r, threads)
+                narrow(hist, above, acc, prefix, left, done, r)
+            else:
+                carry(prefix, left, done, r)
+
+    @T.macro
     def emit(x, values, ids, row, p, rank):
         # an int32 index (n < 2**31), so the row's offset is formed in 64 bits as in every other access
         j = T.cast(T.cast(p & T.uint64(0xFFFFFFFF), "uint32") ^ T.uint32(0xFFFFFFFF), "int32")
@@ -154,13 +165,7 @@ def build(target):
             done = shared((9,), "int32")
             vals = T.alloc_local((PER,), U64)
             acc = T.alloc_local((1,), "int32")
-            start(prefix, left, done)
-            for r in T.serial(8):
-                if done[r] == 0:
-                    histogram(hist, gmax, row, False, vals, prefix, r, THREADS)
-                    narrow(hist, above, acc, prefix, left, done, r)
-                else:
-                    carry(prefix, left, done, r)
+            search(hist, above, acc, vals, prefix, left, done, gmax, row, False, THREADS)
             thresh[row] = prefix[8]
             count[row] = 0
 
@@ -210,14 +215,8 @@ def build(target):
                                 emit(x, values, ids, row, mine[t], rank[t])
             elif bs == 0:
                 # clustered scores: the exact k-th packed value by radix rounds over the row
-                start(prefix, left, done)
+                search(hist, above, acc, vals, prefix, left, done, x, row, True, SELECT_THREADS)
                 gathered[0] = 0
-                for r in T.serial(8):
-                    if done[r] == 0:
-                        histogram(hist, x, row, True, vals, prefix, r, SELECT_THREADS)
-                        narrow(hist, above, acc, prefix, left, done, r)
-                    else:
-                        carry(prefix, left, done, r)
                 for c in T.serial(T.ceildiv(n, SELECT_THREADS)):
                     for t in each(SELECT_THREADS):
                         j = c * SELECT_THREADS + t
