@@ -212,7 +212,7 @@ def test_radix_topk_candidate_overflow_takes_the_exact_path() -> None:
     from v4compile.codegen.tilelang import radix_topk
 
     x = _topk_scores()
-    config = {**radix_topk.launch_config(4, 3000, 32, cuda=False), "cap": 32}  # any extra candidate overflows
+    config = {**radix_topk.launch_config(3000, 32, cuda=False), "cap": 32}  # any extra candidate overflows
     for mask in (False, True):
         _assert_same_selection(radix_topk.radix_topk(x, 32, mask, config), reference.radix_topk(x, 32, mask))
 
@@ -220,6 +220,6 @@ def test_radix_topk_candidate_overflow_takes_the_exact_path() -> None:
 def test_radix_topk_groups_fewer_than_k_are_refused() -> None:
     from v4compile.codegen.tilelang import radix_topk
 
-    config = {**radix_topk.launch_config(1, 20, 8, cuda=False), "group": 4}  # 5 group maxima for k=8
+    config = {**radix_topk.launch_config(20, 8, cuda=False), "group": 4}  # 5 group maxima for k=8
     with pytest.raises(ValueError, match="5 group maxima for 20 candidates, fewer than k=8"):
         radix_topk.radix_topk(torch.randn(1, 20), 8, False, config)

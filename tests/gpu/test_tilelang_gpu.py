@@ -163,7 +163,7 @@ def test_radix_topk_candidate_overflow_takes_the_exact_path_cuda() -> None:
     from v4compile.codegen.tilelang import radix_topk
 
     x = torch.randn(2, 262144, device="cuda")
-    config = {**radix_topk.launch_config(2, 262144, 512, True), "cap": 512}  # any extra candidate overflows
+    config = {**radix_topk.launch_config(262144, 512, True), "cap": 512}  # any extra candidate overflows
     got_v, got_i = radix_topk.radix_topk(x, 512, False, config)
     want_v, want_i = reference.radix_topk(x, 512, False)
     assert torch.equal(got_i, want_i) and torch.equal(got_v, want_v)

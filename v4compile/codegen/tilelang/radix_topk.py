@@ -139,6 +139,21 @@ def build(target):
         ids[row, rank] = T.if_then_else(MASK_INVALID and T.reinterpret(v, "int32") == T.int32(-8388608), T.int64(-1),
                                         T.cast(j, "int64"))
 
+    @T.macro
+    def rank_and_emit(x, values, ids, row, staged, length, rank, mine, block, blocks):
+        # each of staged[:length] goes to output position (number of staged values above it) if below K; this
+        # block of ``blocks`` takes every blocks-th run of SELECT_THREADS values
+        for m in T.serial(T.ceildiv(length, blocks * SELECT_THREADS)):
+            for t in each(SELECT_THREADS):
+                i = (m * blocks + block) * SELECT_THREADS + t
+                rank[t] = 0
+                if i < length:
+                    mine[t] = staged[i]
+                    for j in T.serial(length):
+                        rank[t] += T.if_then_else(staged[j] > mine[t], 1, 0)
+                    if rank[t] < K:
+                        emit(x, values, ids, row, mine[t], rank[t])
+
     @T.prim_func
     def topk_group_max(x: T.Tensor((rows, n), "float32"), gmax: T.Tensor((rows, n_groups), U64)):
         with T.Kernel(rows, T.ceildiv(n_groups, THREADS), threads=THREADS) as (row, bg):
@@ -203,16 +218,7 @@ def build(target):
             if total <= CAP:
                 for c in each(total):
                     staged[c] = cand[row, c]
-                for m in T.serial(T.ceildiv(total, SELECTORS * SELECT_THREADS)):
-                    for t in each(SELECT_THREADS):
-                        i = (m * SELECTORS + bs) * SELECT_THREADS + t
-                        rank[t] = 0
-                        if i < total:
-                            mine[t] = staged[i]
-                            for j in T.serial(total):
-                                rank[t] += T.if_then_else(staged[j] > mine[t], 1, 0)
-                            if rank[t] < K:
-                                emit(x, values, ids, row, mine[t], rank[t])
+                rank_and_emit(x, values, ids, row, staged, total, rank, mine, bs, SELECTORS)
             elif bs == 0:
                 # clustered scores: the exact k-th packed value by radix rounds over the row
                 search(hist, above, acc, vals, prefix, left, done, x, row, True, SELECT_THREADS)
@@ -224,15 +230,7 @@ def build(target):
                             p = packed(x[row, j], j)
                             if p >= prefix[8]:
                                 staged[T.atomic_add(gathered[0], 1, return_prev=True)] = p
-                for m in T.serial(T.ceildiv(K, SELECT_THREADS)):
-                    for t in each(SELECT_THREADS):
-                        i = m * SELECT_THREADS + t
-                        rank[t] = 0
-                        if i < K:
-                            mine[t] = staged[i]
-                            for j in T.serial(K):
-                                rank[t] += T.if_then_else(staged[j] > mine[t], 1, 0)
-                            emit(x, values, ids, row, mine[t], rank[t])
+                rank_and_emit(x, values, ids, row, staged, K, rank, mine, 0, 1)
 
     configs = {{"tirx.disable_vectorize": not cuda, tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
                tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}}
@@ -249,7 +247,7 @@ MAX_CANDIDATES = 1 << 25
 65,535 blocks of 1024); the Triton kernel takes longer rows."""
 
 
-def launch_config(rows: int, n: int, k: int, cuda: bool) -> dict[str, int]:
+def launch_config(n: int, k: int, cuda: bool) -> dict[str, int]:
     """Group size (a power of two leaving at least ``8k`` groups, so about k candidates pass the threshold, and at
     most 64 candidates a thread: fewer groups keep the threshold's histograms short, which costs more than the
     group maxima, H200 profile in benchmarks/RESULTS.md), threads per block, candidates per collecting block,
@@ -278,10 +276,11 @@ def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
     cuda = x.device.type == "cuda"
     rows = x.reshape(-1, n).float().contiguous()
     r = rows.shape[0]
-    config = config or launch_config(r, n, k, cuda)
-    if -(-n // config["group"]) < k:
-        raise ValueError(f"radix_topk: groups of {config['group']} leave {-(-n // config['group'])} group maxima "
-                         f"for {n} candidates, fewer than k={k}")
+    config = config or launch_config(n, k, cuda)
+    n_groups = -(-n // config["group"])
+    if n_groups < k:
+        raise ValueError(f"radix_topk: groups of {config['group']} leave {n_groups} group maxima for {n} candidates, "
+                         f"fewer than k={k}")
     target = "cuda" if cuda else "c"
     name = triton_topk.kernel_name(k, "tilelang")
     group_max, threshold, collect, select = REGISTRY.build(
@@ -291,7 +290,6 @@ def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
     values = torch.empty(r, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(r, k, dtype=torch.long, device=x.device)
     if r:
-        n_groups = -(-n // config["group"])
         gmax = torch.empty(r, n_groups, dtype=torch.uint64, device=x.device)
         thresh = torch.empty(r, dtype=torch.uint64, device=x.device)
         count = torch.empty(r, dtype=torch.int32, device=x.device)
@@ -306,7 +304,4 @@ def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
         REGISTRY.launch(name, run)
         REGISTRY.note_launch(name, grid=(r, -(-n // config["block"])), launches_per_call=4, candidates=n,
                              target=target, **config)
-    if x.dtype != torch.float32:  # the kernel read fp32 copies; take the values in x's own precision
-        gathered = torch.gather(x.reshape(-1, n), 1, ids.clamp(min=0))
-        values = torch.where(ids < 0, float("-inf"), gathered)
-    return values.view(*x.shape[:-1], k), ids.view(*x.shape[:-1], k)
+    return triton_topk.in_input_form(x, values, ids)

@@ -375,6 +375,16 @@ def _row_counters(device: torch.device, rows: int) -> torch.Tensor:
     return held[-1]
 
 
+def in_input_form(x: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kernel's [rows, k] fp32 values and ids shaped as ``x``'s leading dims, the values in ``x``'s own
+    precision (kernels select on fp32 copies; -inf where an id is masked)."""
+    if x.dtype != torch.float32:
+        gathered = torch.gather(x.reshape(-1, x.shape[-1]), 1, ids.clamp(min=0))
+        values = torch.where(ids < 0, float("-inf"), gathered)
+    k = ids.shape[-1]
+    return values.view(*x.shape[:-1], k), ids.view(*x.shape[:-1], k)
+
+
 def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
                config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton body of ``v4compile::radix_topk``: the k largest of the last dim, ordered like a stable
@@ -426,7 +436,4 @@ def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool,
         REGISTRY.note_launch(name, grid=(r, collectors), launches_per_call=3, candidates=n, **config)
         if cuda and REGISTRY.records[name].lowered is None:
             REGISTRY.set_lowered(name, lowered_text(module.topk_collect) or "")
-    if x.dtype != torch.float32:  # the kernel wrote fp32 copies; take the values in x's own precision
-        gathered = torch.gather(x.reshape(-1, n), 1, ids.clamp(min=0))
-        values = torch.where(ids < 0, float("-inf"), gathered)
-    return values.view(*x.shape[:-1], k), ids.view(*x.shape[:-1], k)
+    return in_input_form(x, values, ids)
