@@ -1,6 +1,6 @@
 """The TileLang sparse attention: off CUDA it runs the Triton kernel (the ``c`` target has no tensor-core
-products) and says so; its Hopper source builds for sm_90a with the asynchronous gather and wgmma products
-(where a CUDA compiler is installed). Its numerics are tested on the H200 (tests/gpu/test_tilelang_gpu.py)."""
+products) and says so; its Hopper source builds for sm_90a, warp-specialised: a producer's asynchronous gather
+signalling mbarriers, wgmma products (where a CUDA compiler is installed). Its numerics are tested on the H200 (tests/gpu/test_tilelang_gpu.py)."""
 
 from __future__ import annotations
 
@@ -34,10 +34,11 @@ def test_cpu_runs_the_triton_kernel_and_reports_it() -> None:
 
 
 def test_launch_config_fills_the_gpu_with_splits() -> None:
-    assert tilelang_attention.launch_config(1, 64, 768)["splits"] == 12
-    assert tilelang_attention.launch_config(16, 64, 768)["splits"] == 8
+    assert tilelang_attention.launch_config(1, 64, 768)["splits"] == 6  # one 128-entry round per split
+    assert tilelang_attention.launch_config(16, 64, 768)["splits"] == 6
+    assert tilelang_attention.launch_config(64, 64, 768)["splits"] == 2
     assert tilelang_attention.launch_config(128, 64, 768)["splits"] == 1
-    assert tilelang_attention.launch_config(1, 64, 100)["splits"] == 2  # never more splits than entry blocks
+    assert tilelang_attention.launch_config(1, 64, 100)["splits"] == 1  # never more splits than rounds
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs a CUDA compiler to build for sm_90a")
@@ -48,5 +49,7 @@ def test_hopper_source_gathers_asynchronously_into_wgmma(tmp_path) -> None:
     attend, combine = load_module(path).build({"kind": "cuda", "arch": "sm_90a"})
     source = attend.get_kernel_source()
     assert "cp_async_gs_conditional" in source  # ids outside [0, entries) copy zeros
+    assert "mbarrier_cp_async_arrive_noinc" in source  # the producer signals landed blocks
+    assert "warpgroup_reg_alloc" in source and "warpgroup_reg_dealloc" in source  # consumers take the registers
     assert "wgmma" in source
     assert "__global__" in combine.get_kernel_source()

@@ -1,11 +1,14 @@
-"""Sparse MQA with an attention sink in TileLang, for Hopper (``cuda`` target): one block holds 64 query heads
-of one query and walks its index row BLOCK_K entries at a time. The entries are gathered into shared memory by
-asynchronous copies a stage ahead (an id outside ``[0, entries)`` copies zeros), both products run on the tensor
-cores (wgmma) with the two warp groups splitting the entries of the scores and the value dims of the
-[64, 512] fp32 accumulator (the layout FlashMLA uses), and an online softmax in base 2 keeps the sink in the
-denominator. The probabilities enter the value product as two bf16 terms, hi + lo (the model's fp32 values to
-about 16 bits); ``rounded_p`` keeps only hi, as the official kernels do. When batch x head blocks cannot fill the
-GPU the entries are split over several blocks whose partial softmax states a second kernel combines.
+"""Sparse MQA with an attention sink in TileLang, for Hopper (``cuda`` target), warp-specialised as FlashMLA
+lays it out: one block holds 64 query heads of one query and walks its index row 64 entries at a time. A
+producer warp group gathers each entry block into one of two shared buffers with asynchronous copies (an id
+outside ``[0, entries)`` copies zeros and gets a -inf score bias) and signals an mbarrier when they land; the
+first consumer warp group runs the score product (wgmma), the online softmax in base 2 (the sink joins the
+denominator at the end) and the value product for the first half of the value dims; the second consumer takes
+the probabilities from shared memory and runs the value product for the other half. So the gather of block
+t + 1, the scores of block t + 1 and the second half's value product of block t overlap. The probabilities
+enter the value product as two bf16 terms, hi + lo (the model's fp32 values to about 16 bits); ``rounded_p``
+keeps only hi, as the official kernels do. When batch x head blocks cannot fill the GPU the rounds of 128
+entries are split over several blocks whose partial softmax states a second kernel combines.
 
 The ``c`` target has no tensor-core products, so on the CPU (and for other dtypes or head dims) this op runs its
 Triton kernel, and ``implementation_backend`` names Triton there.
@@ -28,14 +31,16 @@ import tilelang
 import tilelang.language as T
 
 DIM = {dim}
+HALF = DIM // 2
 BLOCK_H = {block_h}
 BLOCK_K = {block_k}
-STAGES = {stages}
-THREADS = {threads}
+BUFFERS = 128 // BLOCK_K  # entry blocks in flight: a round of BUFFERS blocks covers 128 entries
 SPLITS = {splits}
 ROUNDED_P = {rounded_p}
 IDS = "{ids}"
 LOG2E = 1.4426950408889634
+START = -(2.0**30)  # the running maximum's start: finite, so no step computes -inf - -inf
+CHUNKS = BLOCK_K * HALF // 8 // 128  # 16-byte copies per producer thread per half of an entry block
 
 
 def build(target):
@@ -49,67 +54,164 @@ def build(target):
                index: T.Tensor((batch, seqlen, k_total), IDS), sink: T.Tensor((heads,), "float32"),
                scale: T.float32, out: T.Tensor((batch, seqlen, heads, DIM), "bfloat16"),
                part: T.Tensor(part_shape, "float32")):
-        # block (s, b, hs): query s of row b, head block hs // SPLITS, entry blocks of split hs % SPLITS
-        with T.Kernel(seqlen, batch, T.ceildiv(heads, BLOCK_H) * SPLITS, threads=THREADS) as (s, b, hs):
-            q_s = T.alloc_shared((BLOCK_H, DIM), "bfloat16")
-            kv_s = T.alloc_shared((BLOCK_K, DIM), "bfloat16")
-            p_s = T.alloc_shared((BLOCK_H, BLOCK_K), "bfloat16")
-            p_lo_s = T.alloc_shared((BLOCK_H, BLOCK_K), "bfloat16")
+        # block (s, b, hs): query s of row b, head block hs // SPLITS, the 128-entry rounds of split
+        # hs % SPLITS.
+        # Threads 0-127 (scorer): scores, softmax, probabilities to shared memory, value dims [0, HALF);
+        # threads 128-255 (second consumer): value dims [HALF, DIM); threads 256-383 (producer): the queries,
+        # then the entries of the next blocks into BUFFERS buffers (each block's full barrier: the copies
+        # landing and the producer's plain arrival after writing the block's score bias).
+        with T.Kernel(seqlen, batch, T.ceildiv(heads, BLOCK_H) * SPLITS, threads=384) as (s, b, hs):
+            q_l = T.alloc_shared((BLOCK_H, HALF), "bfloat16")
+            q_r = T.alloc_shared((BLOCK_H, HALF), "bfloat16")
+            p_hi = T.alloc_shared((BLOCK_H, BLOCK_K), "bfloat16")
+            p_lo = T.alloc_shared((BLOCK_H, BLOCK_K), "bfloat16")
+            alpha_s = T.alloc_shared((BLOCK_H,), "float32")
+            factor_s = T.alloc_shared((BLOCK_H,), "float32")
             score = T.alloc_fragment((BLOCK_H, BLOCK_K), "float32")
-            acc = T.alloc_fragment((BLOCK_H, DIM), "float32")
+            acc_l = T.alloc_fragment((BLOCK_H, HALF), "float32")
+            acc_r = T.alloc_fragment((BLOCK_H, HALF), "float32")
             m = T.alloc_fragment((BLOCK_H,), "float32")
             m_prev = T.alloc_fragment((BLOCK_H,), "float32")
             l = T.alloc_fragment((BLOCK_H,), "float32")
             total = T.alloc_fragment((BLOCK_H,), "float32")
             alpha = T.alloc_fragment((BLOCK_H,), "float32")
+            rescale = T.alloc_fragment((BLOCK_H,), "float32")
+            q_ready = T.alloc_barrier(arrive_count=128)
+            p_full = T.alloc_barrier(arrive_count=128)
+            p_empty = T.alloc_barrier(arrive_count=128)
+            done = T.alloc_barrier(arrive_count=128)
+            tx = T.get_thread_binding()
             h0 = hs // SPLITS * BLOCK_H
-            blocks = T.ceildiv(k_total, BLOCK_K)
-            per_split = T.ceildiv(blocks, SPLITS)
-            first = hs % SPLITS * per_split
-            T.copy(q[b, s, h0:h0 + BLOCK_H, :], q_s)
-            T.fill(acc, 0.0)
-            T.fill(m, -T.infinity("float32"))
-            T.fill(l, 0.0)
-            for kb in T.Pipelined(T.max(T.min(blocks - first, per_split), 0), num_stages=STAGES):
-                k0 = (first + kb) * BLOCK_K
-                for i, d in T.Parallel(BLOCK_K, DIM):
-                    kv_s[i, d] = kv[b, index[b, s, k0 + i], d]
-                T.gemm(q_s, kv_s, score, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                for h, i in T.Parallel(BLOCK_H, BLOCK_K):
-                    score[h, i] = T.if_then_else((index[b, s, k0 + i] >= 0) & (index[b, s, k0 + i] < entries),
-                                                 score[h, i] * (scale * LOG2E), -T.infinity("float32"))
-                T.copy(m, m_prev)
-                T.reduce_max(score, m, dim=1, clear=False)
-                for h in T.Parallel(BLOCK_H):
-                    alpha[h] = T.if_then_else(m[h] == -T.infinity("float32"), 1.0, T.exp2(m_prev[h] - m[h]))
-                for h, i in T.Parallel(BLOCK_H, BLOCK_K):
-                    score[h, i] = T.if_then_else(m[h] == -T.infinity("float32"), 0.0, T.exp2(score[h, i] - m[h]))
-                T.reduce_sum(score, total, dim=1)
-                for h in T.Parallel(BLOCK_H):
-                    l[h] = l[h] * alpha[h] + total[h]
-                for h, d in T.Parallel(BLOCK_H, DIM):
-                    acc[h, d] *= alpha[h]
-                for h, i in T.Parallel(BLOCK_H, BLOCK_K):
-                    p_s[h, i] = T.cast(score[h, i], "bfloat16")
-                    if not ROUNDED_P:
-                        p_lo_s[h, i] = T.cast(score[h, i] - T.cast(T.cast(score[h, i], "bfloat16"), "float32"),
-                                              "bfloat16")
-                T.gemm(p_s, kv_s, acc, policy=T.GemmWarpPolicy.FullCol)
-                if not ROUNDED_P:
-                    T.gemm(p_lo_s, kv_s, acc, policy=T.GemmWarpPolicy.FullCol)
-            if SPLITS == 1:
-                for h, d in T.Parallel(BLOCK_H, DIM):
-                    if h0 + h < heads:
+            split = hs % SPLITS
+            rounds = T.ceildiv(k_total, BUFFERS * BLOCK_K)
+            per_split = T.ceildiv(rounds, SPLITS)
+            first = split * per_split
+            count = T.max(T.min(rounds - first, per_split), 0)
+
+            # per buffer: its index in the round, entries (two halves of the dims), score bias, full and empty
+            # barriers (full: the producer's copies landing + its arrival after the bias; empty: both consumers)
+            buffers = [(j, T.alloc_shared((BLOCK_K, HALF), "bfloat16"), T.alloc_shared((BLOCK_K, HALF), "bfloat16"),
+                        T.alloc_shared((BLOCK_K,), "float32"), T.alloc_barrier(arrive_count=256),
+                        T.alloc_barrier(arrive_count=256)) for j in range(BUFFERS)]
+            if tx < 128:
+                T.set_max_nreg(240, 1)
+                T.fill(acc_l, 0.0)
+                T.fill(m, START)
+                T.fill(l, 0.0)
+                T.barrier_wait(q_ready, 0)
+                for i in T.serial(count):
+                    for j, kv_l, kv_r, bias, full, empty in buffers:
+                        # block t: scores, online softmax, probabilities out, value dims [0, HALF)
+                        t = BUFFERS * i + j
+                        T.barrier_wait(full, i & 1)
+                        T.fence_proxy_async()
+                        T.gemm(q_l, kv_l, score, transpose_B=True, clear_accum=True)
+                        T.gemm(q_r, kv_r, score, transpose_B=True)
+                        for h, c in T.Parallel(BLOCK_H, BLOCK_K):
+                            score[h, c] = score[h, c] * (scale * LOG2E) + bias[c]
+                        T.copy(m, m_prev)
+                        T.reduce_max(score, m, dim=1, clear=False)
+                        for h in T.Parallel(BLOCK_H):
+                            alpha[h] = T.exp2(m_prev[h] - m[h])
+                        for h, c in T.Parallel(BLOCK_H, BLOCK_K):
+                            score[h, c] = T.exp2(score[h, c] - m[h])
+                        T.reduce_sum(score, total, dim=1)
+                        for h in T.Parallel(BLOCK_H):
+                            l[h] = l[h] * alpha[h] + total[h]
+                        for h, d in T.Parallel(BLOCK_H, HALF):
+                            acc_l[h, d] *= alpha[h]
+                        T.barrier_wait(p_empty, (t & 1) ^ 1)
+                        for h in T.Parallel(BLOCK_H):
+                            alpha_s[h] = alpha[h]
+                        for h, c in T.Parallel(BLOCK_H, BLOCK_K):
+                            p_hi[h, c] = T.cast(score[h, c], "bfloat16")
+                            if not ROUNDED_P:
+                                p_lo[h, c] = T.cast(score[h, c] - T.cast(T.cast(score[h, c], "bfloat16"), "float32"),
+                                                    "bfloat16")
+                        T.barrier_arrive(p_full)
+                        T.gemm(p_hi, kv_l, acc_l)
+                        if not ROUNDED_P:
+                            T.gemm(p_lo, kv_l, acc_l)
+                        T.barrier_arrive(empty)
+                if SPLITS == 1:
+                    # the sink joins the denominator; the normalised rows go out through the queries' buffer
+                    for h in T.Parallel(BLOCK_H):
                         top = T.max(m[h], sink[h0 + h] * LOG2E)
-                        out[b, s, h0 + h, d] = T.cast(acc[h, d] * T.exp2(m[h] - top) / (
-                            l[h] * T.exp2(m[h] - top) + T.exp2(sink[h0 + h] * LOG2E - top)), "bfloat16")
+                        alpha[h] = T.exp2(m[h] - top) / (l[h] * T.exp2(m[h] - top) + T.exp2(sink[h0 + h] * LOG2E - top))
+                        factor_s[h] = alpha[h]
+                    T.barrier_arrive(done)
+                    for h, d in T.Parallel(BLOCK_H, HALF):
+                        q_l[h, d] = T.cast(acc_l[h, d] * alpha[h], "bfloat16")
+                    T.copy(q_l, out[b, s, h0:h0 + BLOCK_H, 0:HALF])
+                else:
+                    for h, d in T.Parallel(BLOCK_H, HALF):
+                        part[b, s, h0 + h, split, d] = acc_l[h, d]
+                    for h in T.Parallel(BLOCK_H):
+                        part[b, s, h0 + h, split, DIM] = m[h]
+                        part[b, s, h0 + h, split, DIM + 1] = l[h]
+            elif tx < 256:
+                T.set_max_nreg(168, 1)
+                T.fill(acc_r, 0.0)
+                T.barrier_wait(q_ready, 0)
+                for i in T.serial(count):
+                    for j, kv_l, kv_r, bias, full, empty in buffers:
+                        # block t: the scorer's probabilities times value dims [HALF, DIM)
+                        t = BUFFERS * i + j
+                        T.barrier_wait(p_full, t & 1)
+                        T.barrier_wait(full, i & 1)
+                        T.fence_proxy_async()
+                        for h in T.Parallel(BLOCK_H):
+                            rescale[h] = alpha_s[h]
+                        for h, d in T.Parallel(BLOCK_H, HALF):
+                            acc_r[h, d] *= rescale[h]
+                        T.gemm(p_hi, kv_r, acc_r)
+                        if not ROUNDED_P:
+                            T.gemm(p_lo, kv_r, acc_r)
+                        T.barrier_arrive(p_empty)
+                        T.barrier_arrive(empty)
+                if SPLITS == 1:
+                    T.barrier_wait(done, 0)  # also: the scorer's last product has read the queries
+                    for h in T.Parallel(BLOCK_H):
+                        rescale[h] = factor_s[h]
+                    for h, d in T.Parallel(BLOCK_H, HALF):
+                        q_r[h, d] = T.cast(acc_r[h, d] * rescale[h], "bfloat16")
+                    T.copy(q_r, out[b, s, h0:h0 + BLOCK_H, HALF:DIM])
+                else:
+                    for h, d in T.Parallel(BLOCK_H, HALF):
+                        part[b, s, h0 + h, split, HALF + d] = acc_r[h, d]
             else:
-                for h, d in T.Parallel(BLOCK_H, DIM):
-                    if h0 + h < heads:
-                        part[b, s, h0 + h, hs % SPLITS, d] = acc[h, d]
-                        if d == 0:
-                            part[b, s, h0 + h, hs % SPLITS, DIM] = m[h]
-                            part[b, s, h0 + h, hs % SPLITS, DIM + 1] = l[h]
+                T.set_max_nreg(80, 0)
+                for c in T.serial(BLOCK_H * HALF // 8 // 128):
+                    chunk = c * 128 + tx - 256
+                    row = chunk // (HALF // 8)
+                    col = chunk % (HALF // 8) * 8
+                    T.ptx_cp_async(T.access_ptr(q_l[row, col], "w", 8), T.access_ptr(q[b, s, h0 + row, col], "r", 8), 8)
+                    T.ptx_cp_async(T.access_ptr(q_r[row, col], "w", 8),
+                                   T.access_ptr(q[b, s, h0 + row, HALF + col], "r", 8), 8)
+                T.cp_async_barrier_noinc(q_ready)
+                for i in T.serial(count):
+                    for j, kv_l, kv_r, bias, full, empty in buffers:
+                        # block t's entries into buffer j (an id outside [0, entries) copies zeros) and their
+                        # score bias (0, or -inf for such ids) for the scorer
+                        k0 = ((first + i) * BUFFERS + j) * BLOCK_K
+                        T.barrier_wait(empty, (i & 1) ^ 1)
+                        for c in T.serial(CHUNKS):
+                            chunk = c * 128 + tx - 256
+                            row = chunk // (HALF // 8)
+                            col = chunk % (HALF // 8) * 8
+                            entry = index[b, s, k0 + row]
+                            valid = (entry >= 0) & (entry < entries)
+                            safe = T.if_then_else(valid, entry, 0)
+                            T.ptx_cp_async(T.access_ptr(kv_l[row, col], "w", 8), T.access_ptr(kv[b, safe, col], "r", 8),
+                                           8, valid)
+                            T.ptx_cp_async(T.access_ptr(kv_r[row, col], "w", 8),
+                                           T.access_ptr(kv[b, safe, HALF + col], "r", 8), 8, valid)
+                        if tx < 256 + BLOCK_K:
+                            entry = index[b, s, k0 + tx - 256]
+                            bias[tx - 256] = T.if_then_else((entry >= 0) & (entry < entries), 0.0,
+                                                            -T.infinity("float32"))
+                        T.cp_async_barrier_noinc(full)
+                        T.barrier_arrive(full)
 
     @T.prim_func
     def combine(sink: T.Tensor((heads,), "float32"), out: T.Tensor((batch, seqlen, heads, DIM), "bfloat16"),
@@ -156,13 +258,13 @@ def runs_here(q: torch.Tensor, kv: torch.Tensor) -> bool:
 
 
 def launch_config(rows: int, heads: int, k_total: int, sms: int = 132) -> dict[str, int]:
-    """64 entries a step through two stages with 256 threads (more stages do not build with a loop count
-    known only at run time); the entries split over blocks until about one block per SM (``sms``, 132 on the
-    H200)."""
+    """64 entries a block, so two buffers of them (32-entry blocks in four buffers measured no faster on the
+    H200: 59.4 vs 60.8 us at 128 rows, slower below); the 128-entry rounds split over blocks until about one
+    block per SM (``sms``, 132 on the H200)."""
     blocks = rows * -(-heads // BLOCK_H)
-    steps = -(-k_total // 64)
-    splits = max(1, min(sms // max(1, blocks), steps, 16))
-    return {"block_k": 64, "stages": 2, "threads": 256, "splits": splits}
+    rounds = -(-k_total // 128)
+    splits = max(1, min(sms // max(1, blocks), rounds, 16))
+    return {"block_k": 64, "splits": splits}
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, index: torch.Tensor, scale: float,
@@ -192,9 +294,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, inde
         lambda path: load_kernels(path, "cuda", name), key=(ids, *sorted(config.items())))
     q, kv = q.contiguous(), kv.contiguous()
     # ids as given (int32 or int64, compared with the entry count in their own width), padded with -1 to whole
-    # entry blocks when needed, so that every block reads ids of its own query
+    # rounds of 128 entries when needed, so that every block reads ids of its own query
     k_total = index.shape[-1]
-    whole = -(-k_total // config["block_k"]) * config["block_k"]
+    whole = -(-k_total // 128) * 128
     if whole == k_total:
         padded_index = index.contiguous()
     else:
