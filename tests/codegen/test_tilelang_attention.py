@@ -1,6 +1,7 @@
 """The TileLang sparse attention: off CUDA it runs the Triton kernel (the ``c`` target has no tensor-core
 products) and says so; its Hopper source builds for sm_90a, warp-specialised: a producer's asynchronous gather
-signalling mbarriers, wgmma products (where a CUDA compiler is installed). Its numerics are tested on the H200 (tests/gpu/test_tilelang_gpu.py)."""
+signalling mbarriers, wgmma products (where a CUDA compiler is installed). Its numerics are tested on the H200
+(tests/gpu/test_tilelang_gpu.py)."""
 
 from __future__ import annotations
 
