@@ -31,10 +31,19 @@ def window_index_full(seqlen: int, window: int, device: torch.device) -> torch.T
 
 
 def window_index_decode(positions: torch.Tensor, window: int) -> torch.Tensor:
-    """[B, 1, window]: ring slot s holds position pos - ((pos - s) mod window); -1 where that is < 0."""
-    slots = torch.arange(window, device=positions.device)
-    held = positions.unsqueeze(-1) - torch.remainder(positions.unsqueeze(-1) - slots, window)
-    return torch.where(held >= 0, slots, -1).unsqueeze(1)
+    """[B, 1, window]: the ring slots (slot = position mod window; the ring already holds ``positions``) of
+    positions max(0, pos-window+1)..pos, in that order, then -1: the order ``window_index_full`` reads them in,
+    so a decode step sums a query's terms as the full forward does (bitwise the same in deterministic mode)."""
+    return window_slots(positions.unsqueeze(-1), positions.view(-1, 1, 1) + 1, window)
+
+
+def window_slots(pos: torch.Tensor, first_new: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, S, window] ids for queries at ``pos`` [B, S] reading a window ring followed by this call's own
+    keys (from position ``first_new`` [B, 1, 1] on, at ids window + offset): positions max(0, p-window+1)..p in
+    order, an earlier one at its ring slot, then -1."""
+    held = (pos - window + 1).clamp(min=0).unsqueeze(-1) + torch.arange(window, device=pos.device)
+    slot = torch.where(held < first_new, held % window, window + held - first_new)
+    return torch.where(held > pos.unsqueeze(-1), -1, slot)
 
 
 def _replayed(routing: Routing | None, layer: int) -> torch.Tensor | None:
@@ -212,23 +221,19 @@ class Attention(nn.Module):
     def _forward_decode_tokens(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache,
                                routing: Routing | None, layer: int) -> torch.Tensor:
         """S tokens per row at ``positions[b] + 0..S-1``: each reads the ring as it was before this call for
-        earlier positions and this call's own keys for the rest, so writing token j's ring slot cannot hide a
-        position token i < j still needs; the compressors take the tokens one by one."""
+        earlier positions and this call's own keys for the rest (in position order, as the full forward), so
+        writing token j's ring slot cannot hide a position token i < j still needs; the compressors take the
+        tokens one by one."""
         bsz, seqlen, _ = x.shape
         rows = torch.arange(bsz, device=x.device)
         pos = positions.unsqueeze(-1) + torch.arange(seqlen, device=x.device)
         cos, sin = rope_cos_sin(self.freqs, pos)
         q, qr = self._queries(x, cos, sin)
         kv = self._window_kv(x, cos, sin)
-        slots = torch.arange(self.window, device=x.device)
-        last = positions.view(bsz, 1, 1) - 1
-        held = last - torch.remainder(last - slots, self.window)
-        ring_index = torch.where((held >= 0) & (held > pos.unsqueeze(-1) - self.window), slots, -1)
-        new = torch.arange(seqlen, device=x.device)
-        own = torch.where(new <= new.view(-1, 1), self.window + new, -1).expand(bsz, -1, -1)
-        index = torch.cat((ring_index, own), dim=-1)
+        index = window_slots(pos, positions.view(bsz, 1, 1), self.window)
         keys = torch.cat((cache.window[:bsz], kv), dim=1)
         if self.ratio:
             keys, index = self._decode_compressed(x, qr, positions, pos, cos, sin, cache, routing, layer, keys, index)
-        cache.window[rows.unsqueeze(-1), pos % self.window] = kv
+        keep = min(seqlen, self.window)  # the ring keeps the last window tokens (one write per slot)
+        cache.window[rows.unsqueeze(-1), pos[:, seqlen - keep :] % self.window] = kv[:, seqlen - keep :]
         return self._output(self._attend(q, keys, index), cos, sin)
