@@ -40,11 +40,12 @@ def test_launch_config_fills_the_gpu_with_splits() -> None:
     assert tilelang_attention.launch_config(64, 64, 768)["splits"] == 2
     assert tilelang_attention.launch_config(128, 64, 768)["splits"] == 1
     assert tilelang_attention.launch_config(1, 64, 100)["splits"] == 1  # never more splits than rounds
+    assert tilelang_attention.launch_config(33, 64, 640)["splits"] == 3  # 5 rounds as 2 + 2 + 1, none idle
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs a CUDA compiler to build for sm_90a")
 def test_hopper_source_gathers_asynchronously_into_wgmma(tmp_path) -> None:
-    config = tilelang_attention.launch_config(16, 64, 768)  # 8 splits: the combine kernel too
+    config = tilelang_attention.launch_config(16, 64, 768)  # 6 splits: the combine kernel too
     path = tmp_path / "attention.py"
     path.write_text(tilelang_attention._SOURCE.format(dim=512, block_h=64, rounded_p=False, ids="int64", **config))
     attend, combine = load_module(path).build({"kind": "cuda", "arch": "sm_90a"})

@@ -98,6 +98,21 @@ def test_sparse_attention_cuda(batch: int, heads: int, k: int, entries: int, rou
         assert torch.equal(ops.sparse_attention(q, kv, sink, index, 512**-0.5, "tilelang"), got)
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_sparse_attention_small_head_dims_and_permuted_queries_cuda(dim: int) -> None:
+    """Head dims the kernel takes besides 512 (the tiny preset's 128 among them), with the queries given as a
+    permuted view: the reference's output, laid out contiguously."""
+    attention = importlib.import_module("v4compile.codegen.tilelang.sparse_attention")
+    q = torch.randn(2, 64, 3, dim, device="cuda").bfloat16().transpose(1, 2)  # [2, 3, 64, dim], not contiguous
+    kv = torch.randn(2, 700, dim, device="cuda").bfloat16()
+    sink = torch.randn(64, device="cuda")
+    index = torch.randint(-1, 700, (2, 3, 300), device="cuda")
+    want = reference.sparse_attention(q.double(), kv.double(), sink.double(), index, dim**-0.5)
+    got = attention.sparse_attention(q, kv, sink, index, dim**-0.5)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-4)
+
+
 def test_sparse_attention_prefill_masked_rows_and_wide_ids_cuda() -> None:
     attention = importlib.import_module("v4compile.codegen.tilelang.sparse_attention")
     q = torch.randn(2, 3, 64, 512, device="cuda").bfloat16()
