@@ -1,8 +1,8 @@
 """Batch-invariant products and the trainer-vs-engine log-prob gap they close: a row's product does not
 depend on how many rows share the call (also through autograd), the library kernels come back afterwards,
 and in deterministic mode the engine's log-probs equal a trainer's full forward bitwise, as do one-token
-decode steps and two-token verify steps after the window ring wraps (run in a fresh process with
-``ATEN_CPU_CAPABILITY=default``, which must be set before torch loads)."""
+decode steps and two-token verify steps after the window ring wraps, and prefix-cache hits change no log-prob
+(run in a fresh process with ``ATEN_CPU_CAPABILITY=default``, which must be set before torch loads)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ def test_in_deterministic_mode_the_engine_matches_the_trainer_bitwise() -> None:
     for seed, gap in measured["gaps"].items():
         assert gap == {"no replay": 0.0, "replay": 0.0}, (seed, gap)
     assert measured["decode"] == {"one-token steps": 0.0, "two-token steps": 0.0}, measured["decode"]
+    assert measured["prefix cache"]["hit tokens"] > 0 and measured["prefix cache"]["gap"] == 0.0, measured
 
 
 def _measure(seeds: tuple[int, ...] = (1, 3, 4)) -> dict[str, dict[str, float]]:
@@ -119,5 +120,25 @@ def _decode_against_full() -> dict[str, float]:
     return gaps
 
 
+def _prefix_cache_against_none() -> dict[str, float]:
+    """Three turns sharing a 150-token system prompt, run one after another (the later ones hit its cached
+    prefix and recompute the window tail) with and without the prefix cache: the prefix hits and the largest
+    log-prob difference of the sampled tokens."""
+    from v4compile import DeepSeekV4, V4Config
+    from v4compile.runtime.engine import Engine
+
+    model = DeepSeekV4(V4Config.preset("tiny", max_seq_len=512), seed=0).eval()
+    generator = torch.Generator().manual_seed(7)
+    system = torch.randint(0, 512, (150,), generator=generator).tolist()
+    turns = [system + torch.randint(0, 512, (n,), generator=generator).tolist() for n in (20, 45, 70)]
+    runs = []
+    for prefix_cache in (True, False):
+        engine = Engine(model, max_batch=2, deterministic=True, prefix_cache=prefix_cache)
+        runs.append([engine.generate([turn], 6, temperature=1.0, seed=3)[0] for turn in turns])
+    gap = max(abs(a - b) for x, y in zip(*runs, strict=True) for a, b in zip(x.logprobs, y.logprobs, strict=True))
+    return {"hit tokens": float(sum(out.cache.cached_tokens for out in runs[0])), "gap": gap}
+
+
 if __name__ == "__main__":
-    print(json.dumps({"gaps": _measure(), "decode": _decode_against_full()}))
+    print(json.dumps({"gaps": _measure(), "decode": _decode_against_full(),
+                      "prefix cache": _prefix_cache_against_none()}))
