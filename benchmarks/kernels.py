@@ -275,28 +275,27 @@ def topk_row(ceil: dict[str, float], quick: bool, batch: int, k: int, n: int = 2
     if ties:
         x[:, : n // 8] = torch.randint(0, 4, (batch, n // 8), device="cuda").float()
     want_v, want_i = reference.radix_topk(x, k, False)
-    got_v, got_i = ops.radix_topk(x, k, False, "triton")
-    if not (torch.equal(got_i, want_i) and torch.equal(got_v, want_v)):
-        raise AssertionError(f"radix top-k {batch}x{n} k={k} differs from the stable-sort reference")
-    _ran(f"radix_topk.k{k}.triton")
+
+    def exact(backend: str) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """The backend's top-k call, checked once against the stable-sort reference (and seen running)."""
+        def call() -> tuple[torch.Tensor, torch.Tensor]:
+            return ops.radix_topk(x, k, False, backend)
+
+        got_v, got_i = call()
+        if not (torch.equal(got_i, want_i) and torch.equal(got_v, want_v)):
+            raise AssertionError(f"{backend} radix top-k {batch}x{n} k={k} differs from the stable-sort reference")
+        _ran(f"radix_topk.k{k}.{backend}")
+        return call
+
+    ours = exact("triton")
     compiled = _compiled(lambda t: reference.radix_topk(t, k, False))
     compiled(x)
     topk_us = bench(graphed(lambda: torch.topk(x, k)), quick)
     moved = x.nbytes + batch * k * 12
-
-    def ours() -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.radix_topk(x, k, False, "triton")
-
     host_us = bench(ours, quick)
     tilelang = ""
     if importlib.util.find_spec("tilelang") is not None:
-        def theirs() -> tuple[torch.Tensor, torch.Tensor]:
-            return ops.radix_topk(x, k, False, "tilelang")
-
-        tl_v, tl_i = theirs()
-        if not (torch.equal(tl_i, want_i) and torch.equal(tl_v, want_v)):
-            raise AssertionError(f"TileLang radix top-k {batch}x{n} k={k} differs from the stable-sort reference")
-        _ran(f"radix_topk.k{k}.tilelang")
+        theirs = exact("tilelang")
         tilelang = (f"; TileLang kernels {bench(graphed(theirs), quick):.1f} us, in a 20-call graph "
                     f"{in_graph_us(theirs, quick):.1f} us/call")
     return Row(f"top-k k={k} (CUDA graph){', heavy ties' if ties else ''}", f"batch {batch} x {n}",

@@ -47,7 +47,8 @@ def test_launch_config_fills_the_gpu_with_splits() -> None:
 def test_hopper_source_gathers_asynchronously_into_wgmma(tmp_path) -> None:
     config = tilelang_attention.launch_config(16, 64, 768)  # 6 splits: the combine kernel too
     path = tmp_path / "attention.py"
-    path.write_text(tilelang_attention._SOURCE.format(dim=512, block_h=64, rounded_p=False, ids="int64", **config))
+    path.write_text(tilelang_attention._SOURCE.format(dim=512, block_h=64, round=tilelang_attention.ROUND,
+                                                      rounded_p=False, ids="int64", **config))
     attend, combine = load_module(path).build({"kind": "cuda", "arch": "sm_90a"})
     source = attend.get_kernel_source()
     assert "cp_async_gs_conditional" in source  # ids outside [0, entries) copy zeros

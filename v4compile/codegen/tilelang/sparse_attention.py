@@ -26,6 +26,10 @@ from .common import load_kernels
 BLOCK_H = 64
 """Query heads per block: the wgmma tile height (fewer heads are padded with zero queries)."""
 
+ROUND = 128
+"""Entries per producer round (its buffers of block_k entries each, filled in turn): the unit the splits share
+out and the index is padded to."""
+
 _SOURCE = '''
 import tilelang
 import tilelang.language as T
@@ -34,13 +38,14 @@ DIM = {dim}
 HALF = DIM // 2
 BLOCK_H = {block_h}
 BLOCK_K = {block_k}
-BUFFERS = 128 // BLOCK_K  # entry blocks in flight: a round of BUFFERS blocks covers 128 entries
+BUFFERS = {round} // BLOCK_K  # entry blocks in flight: a round of BUFFERS blocks
 SPLITS = {splits}
 ROUNDED_P = {rounded_p}
 IDS = "{ids}"
 LOG2E = 1.4426950408889634
 START = -(2.0**30)  # the running maximum's start: finite, so no step computes -inf - -inf
 CHUNKS = BLOCK_K * HALF // 8 // 128  # 16-byte copies per producer thread per half of an entry block
+Q_CHUNKS = BLOCK_H * HALF // 8 // 128  # the same for the queries
 
 
 def build(target):
@@ -181,7 +186,7 @@ def build(target):
                         part[b, s, h0 + h, split, HALF + d] = acc_r[h, d]
             else:
                 T.set_max_nreg(80, 0)
-                for c in T.serial(BLOCK_H * HALF // 8 // 128):
+                for c in T.serial(Q_CHUNKS):
                     chunk = c * 128 + tx - 256
                     row = chunk // (HALF // 8)
                     col = chunk % (HALF // 8) * 8
@@ -262,7 +267,7 @@ def launch_config(rows: int, heads: int, k_total: int, sms: int = 132) -> dict[s
     H200: 59.4 vs 60.8 us at 128 rows, slower below); the 128-entry rounds split over blocks until about one
     block per SM (``sms``, 132 on the H200), as many as leave every split a round."""
     blocks = rows * -(-heads // BLOCK_H)
-    rounds = -(-k_total // 128)
+    rounds = -(-k_total // ROUND)
     splits = max(1, min(sms // max(1, blocks), rounds, 16))
     per_split = -(-rounds // splits) if rounds else 1
     return {"block_k": 64, "splits": max(1, -(-rounds // per_split))}
@@ -291,13 +296,13 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, inde
     ids = str(index.dtype).removeprefix("torch.")
     attend, combine = REGISTRY.build(
         name, "tilelang", "v4compile::sparse_attention",
-        lambda: _SOURCE.format(dim=dim, block_h=BLOCK_H, rounded_p=rounded_p, ids=ids, **config),
+        lambda: _SOURCE.format(dim=dim, block_h=BLOCK_H, round=ROUND, rounded_p=rounded_p, ids=ids, **config),
         lambda path: load_kernels(path, "cuda", name), key=(ids, *sorted(config.items())))
     q, kv = q.contiguous(), kv.contiguous()
     # ids as given (int32 or int64, compared with the entry count in their own width), padded with -1 to whole
     # rounds of 128 entries when needed, so that every block reads ids of its own query
     k_total = index.shape[-1]
-    whole = -(-k_total // 128) * 128
+    whole = -(-k_total // ROUND) * ROUND
     if whole == k_total:
         padded_index = index.contiguous()
     else:
