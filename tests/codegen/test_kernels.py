@@ -165,15 +165,18 @@ def test_radix_topk_nan_zero_signs_and_wide_dtypes_match_the_reference() -> None
     assert torch.equal(got_i, torch.tensor([[1, 0]])) and got_v.dtype == torch.int32
 
 
-@pytest.mark.parametrize(("skip_runs", "sort"), [(0, 256), (1, 256), (1, 0)])
-def test_radix_topk_collect_and_select_modes_are_exact(skip_runs: int, sort: int) -> None:
+@pytest.mark.parametrize(("skip_runs", "sort", "rank"), [(0, 256, 256), (1, 256, 256), (1, 0, 256), (1, 0, 16),
+                                                   (0, 128, 16)])
+def test_radix_topk_collect_and_select_modes_are_exact(skip_runs: int, sort: int, rank: int) -> None:
     """The collect reads every tile (few rows on the GPU) or only runs above the threshold (otherwise); the
-    select sorts the gathered candidates (up to SORT of them) or ranks each by counting."""
+    select sorts the gathered candidates (up to SORT of them) or ranks each by counting, RANK at a time against
+    SPAN at a time (small ones: many ranking programs, each ranking and counting in several steps)."""
     torch.manual_seed(skip_runs)
     x = torch.randn(3, 6000).bfloat16().float()
     x[1] = torch.arange(6000.0)  # the top keys sit in the last runs
     x[2, 3000:] = float("-inf")
-    config = {**radix_topk_triton.launch_config(3, 6000, 100, cuda=False), "SKIP_RUNS": skip_runs, "SORT": sort}
+    config = {**radix_topk_triton.launch_config(3, 6000, 100, cuda=False), "SKIP_RUNS": skip_runs, "SORT": sort,
+              "RANK": rank, "SPAN": 4 * rank}
     for mask in (False, True):
         values, ids = radix_topk_triton.radix_topk(x, 100, mask, config)
         want_v, want_i = reference.radix_topk(x, 100, mask)
