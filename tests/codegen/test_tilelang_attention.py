@@ -44,8 +44,12 @@ def test_launch_config_fills_the_gpu_with_splits() -> None:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs a CUDA compiler to build for sm_90a")
-def test_hopper_source_gathers_asynchronously_into_wgmma(tmp_path) -> None:
-    config = tilelang_attention.launch_config(16, 64, 768)  # 6 splits: the combine kernel too
+@pytest.mark.parametrize("rows", [16, 128])
+def test_hopper_source_gathers_asynchronously_into_wgmma(tmp_path, rows: int) -> None:
+    """Both launch forms (6 splits with the combine kernel at 16 rows, one at 128): the producer's gather, the
+    consumers' register split and wgmma, and no block-wide barrier after the barriers' setup (the warp groups
+    run different code, so one would deadlock them)."""
+    config = tilelang_attention.launch_config(rows, 64, 768)
     path = tmp_path / "attention.py"
     path.write_text(tilelang_attention._SOURCE.format(dim=512, block_h=64, round=tilelang_attention.ROUND,
                                                       rounded_p=False, ids="int64", **config))
@@ -55,4 +59,5 @@ def test_hopper_source_gathers_asynchronously_into_wgmma(tmp_path) -> None:
     assert "mbarrier_cp_async_arrive_noinc" in source  # the producer signals landed blocks
     assert "warpgroup_reg_alloc" in source and "warpgroup_reg_dealloc" in source  # consumers take the registers
     assert "wgmma" in source
-    assert "__global__" in combine.get_kernel_source()
+    assert source.count("__syncthreads()") == 1
+    assert combine is None if config["splits"] == 1 else "__global__" in combine.get_kernel_source()
