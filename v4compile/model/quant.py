@@ -57,6 +57,13 @@ def round_fp4_e2m1(x: torch.Tensor) -> torch.Tensor:
     return round_to_grid(x, 1, 0, FP4_MAX)
 
 
+def exact_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` correctly rounded on every device. CUDA computes a division by a Python scalar as a
+    multiplication by its rounded reciprocal, one bit off for some x: enough to move a non-power-of-two
+    scale and with it the e4m3 ties that scale decides, so the GPU would disagree with the CPU and the spec."""
+    return x / x.new_full((), divisor)
+
+
 def ceil_pow2(x: torch.Tensor) -> torch.Tensor:
     """Exact smallest power of two >= x, for positive finite float32 x."""
     x = x.float()
@@ -78,7 +85,7 @@ def fp8_simulate(x: torch.Tensor, block: int, pow2_scale: bool) -> torch.Tensor:
     """
     xb = _blocked(x, block)
     amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=FP8_AMAX_FLOOR)
-    scale = amax / FP8_MAX
+    scale = exact_div(amax, FP8_MAX)
     if pow2_scale:
         scale = ceil_pow2(scale)
     return (round_fp8_e4m3(xb / scale) * scale).flatten(-2).to(x.dtype)
@@ -88,7 +95,7 @@ def fp4_simulate(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
     """Quantizes to e2m1 with a power-of-two scale per ``block`` (amax/6 rounded up), then dequantizes."""
     xb = _blocked(x, block)
     amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=FP4_AMAX_FLOOR)
-    scale = ceil_pow2(amax / FP4_MAX)
+    scale = ceil_pow2(exact_div(amax, FP4_MAX))
     return (round_fp4_e2m1(xb / scale) * scale).flatten(-2).to(x.dtype)
 
 
@@ -157,7 +164,7 @@ def quantize_fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     pad[:out_f, :in_f] = w.float()
     blocks = pad.unflatten(0, (-1, b)).unflatten(2, (-1, b))
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=FP8_AMAX_FLOOR)
-    scale = ceil_pow2(amax / FP8_MAX)
+    scale = ceil_pow2(exact_div(amax, FP8_MAX))
     full = scale.repeat_interleave(b, 0).repeat_interleave(b, 1)[:out_f, :in_f]
     q = round_fp8_e4m3(w.float() / full).to(torch.float8_e4m3fn)
     return q, float_to_e8m0(scale)
@@ -167,6 +174,6 @@ def quantize_fp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes a float ``[out, in]`` weight to packed e2m1 with power-of-two per-32 scales."""
     wb = _blocked(w, FP4_BLOCK)
     amax = wb.abs().amax(dim=-1, keepdim=True).clamp(min=FP4_AMAX_FLOOR)
-    scale = ceil_pow2(amax / FP4_MAX)
+    scale = ceil_pow2(exact_div(amax, FP4_MAX))
     codes = float_to_fp4_codes(round_fp4_e2m1(wb / scale)).flatten(-2)
     return pack_fp4(codes), float_to_e8m0(scale.squeeze(-1))
