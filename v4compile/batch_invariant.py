@@ -31,11 +31,19 @@ _library: torch.library.Library | None = None
 
 
 def _blocked_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for a [M, K], b [K, N], computed ``ROWS`` rows at a time in one reused buffer."""
+    """``a @ b`` for a [M, K], b [K, N], computed ``ROWS`` rows at a time in one reused buffer, with b in one
+    layout (row-major) whatever view it arrives as, since the library picks its kernel by layout too.
+
+    On the CPU each block is multiplied in float64 and rounded once to the result dtype: on an AMD EPYC (AVX2,
+    2026-12-01) the library's float32 / bf16 products of such fixed-shape row-major blocks still broke the
+    engine-versus-trainer equality (the cause inside MKL / oneDNN not found), and a float64 product rounded to
+    float32 or bf16 does not depend on the library's summation order."""
     m, k = a.shape
-    out = a.new_empty(m, b.shape[1], dtype=torch.result_type(a, b))
-    block = a.new_zeros(ROWS, k)
-    result = out.new_empty(ROWS, b.shape[1])
+    wide = a.device.type == "cpu"
+    b = (b.to(torch.float64) if wide else b).contiguous()
+    out = a.new_empty(m, b.shape[1])
+    block = a.new_zeros(ROWS, k, dtype=b.dtype)
+    result = b.new_empty(ROWS, b.shape[1])
     for start in range(0, m, ROWS):
         rows = min(ROWS, m - start)
         if rows < ROWS:
