@@ -9,6 +9,7 @@ rewritten graph runs as is (eagerly), which is what the debugging tools use.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -66,13 +67,11 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[
     Uses that view the scales as bytes read the input directly; any other use gets an e8m0 view back. GPU
     inputs go unchanged: Triton code only sees the model's byte views, and re-viewed inputs there leave
     Inductor's 32-bit indexing guard on a size Dynamo cannot trace back to an input (torch 2.11, H200)."""
-    from torch._inductor.compile_fx import compile_fx
-
     e8m0 = torch.float8_e8m0fnu
     as_bytes = {i for i, x in enumerate(example_inputs)
                 if isinstance(x, torch.Tensor) and x.dtype == e8m0 and x.device.type == "cpu"}
     if not as_bytes:
-        return compile_fx(gm, example_inputs)
+        return _compile_fx(gm, example_inputs)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i in sorted(as_bytes):
         node = placeholders[i]
@@ -92,9 +91,19 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[
             node.meta["val"] = val.view(torch.uint8)
     gm.graph.lint()
     gm.recompile()
-    compiled = compile_fx(gm, [x.view(torch.uint8) if i in as_bytes else x for i, x in enumerate(example_inputs)])
+    compiled = _compile_fx(gm, [x.view(torch.uint8) if i in as_bytes else x for i, x in enumerate(example_inputs)])
 
     return lambda *args: compiled(*(a.view(torch.uint8) if i in as_bytes else a for i, a in enumerate(args)))
+
+
+def _compile_fx(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """``compile_fx`` without its warning that complex operators stay aten calls: the model's one complex op,
+    ``torch.polar`` building the RoPE tables as the official model does, is such a call by design."""
+    from torch._inductor.compile_fx import compile_fx
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
+        return compile_fx(gm, example_inputs)
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import fx
 
 from .backend import make_backend
+from .golden import Agreement, GoldenFolder
 from .model import DeepSeekV4
 from .optimize import OptimizedModel, optimize, resolve_backend
 from .passes import build_passes
@@ -148,38 +148,17 @@ def bisect(model: DeepSeekV4, *, backend: str = "auto", tolerance: float = 1e-2,
     return BisectResult(total, hi, culprit, lo_error, hi_error, probes)
 
 
-@dataclass
-class Agreement:
-    """How close two sets of logit rows are (the golden README's measures)."""
-
-    median_cos: float
-    mean_cos: float
-    min_cos: float
-    argmax_agreement: float
-
-    @classmethod
-    def of(cls, got: torch.Tensor, want: torch.Tensor) -> Agreement:
-        """Cosine similarity statistics and argmax agreement of two [..., vocab] logit tensors."""
-        cos = F.cosine_similarity(got.flatten(0, -2).float(), want.flatten(0, -2).float(), dim=-1)
-        agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-        return cls(cos.median().item(), cos.mean().item(), cos.min().item(), agree)
-
-
 def golden_check(optimized: OptimizedModel, golden_dir: str | Path) -> dict[str, Agreement]:
-    """Eager vs golden, optimized vs golden and optimized vs eager on a golden folder's prefill cases."""
-    from safetensors.torch import load_file
-
-    cases = load_file(str(Path(golden_dir) / "cases.safetensors"))
-    keys = sorted({k.split(".")[0] for k in cases if k.startswith("case")})
+    """Eager vs golden, optimized vs golden and optimized vs eager on a golden folder's cases: the full-sequence
+    logits at the golden rows (one compile per case length; ``golden.score`` scores one prefill per row)."""
     model = optimized.model
     eager, fast, golden = [], [], []
     with torch.no_grad():
-        for key in keys:
-            ids, length = cases[f"{key}.ids"], int(cases[f"{key}.prefill_len"])
-            n = cases[f"{key}.prefill_logits"].shape[1]
-            eager.append(model(ids)[:, length - 1 : length - 1 + n].flatten(0, 1))
-            fast.append(optimized(ids)[:, length - 1 : length - 1 + n].flatten(0, 1))
-            golden.append(cases[f"{key}.prefill_logits"].flatten(0, 1))
+        for case in GoldenFolder.read(golden_dir).cases:
+            length, n = case.prefill_len, case.prefill_logits.shape[1]
+            eager.append(model(case.ids)[:, length - 1 : length - 1 + n].flatten(0, 1))
+            fast.append(optimized(case.ids)[:, length - 1 : length - 1 + n].flatten(0, 1))
+            golden.append(case.prefill_logits.flatten(0, 1))
     e, f, g = torch.cat(eager), torch.cat(fast), torch.cat(golden)
     return {"eager vs golden": Agreement.of(e, g), "optimized vs golden": Agreement.of(f, g),
             "optimized vs eager": Agreement.of(f, e)}

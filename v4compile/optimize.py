@@ -73,6 +73,9 @@ class OptimizedModel:
         self._compiled: dict[str, Any] = {}
 
     def _entry(self, name: str) -> Any:
+        if name == "decode_step" and getattr(getattr(self.model, "config", None), "index_ties", None) == "official":
+            raise ValueError("index_ties='official' decodes eagerly only (its top-k length follows each row's "
+                             "position); call model.decode_step, or build the model with index_ties='lowest'")
         if name not in self._compiled:
             fn = self.model if name == "forward" else getattr(self.model, name)
             backend = make_backend(self.manager, inductor=self.inductor)
@@ -117,6 +120,8 @@ def optimize(model: nn.Module, *, backend: str = "auto", passes: list[str] | Non
     rewritten graph on aten kernels (Inductor's generated code would bypass the batch-invariant products);
     the v4compile kernels reduce in a fixed order already (the top-k's atomics only pick slots, ranks fix
     the order).
+    A model with ``config.index_ties == "official"`` keeps its indexer's ``torch.topk`` (``radix_topk`` declines
+    plain top-k), and its decode runs eagerly only (see ``V4Config``).
     ``tp``: the tensor-parallel degree the model was built or loaded for (``tp_size``); above 1 this must run
     inside an initialised process group of that many ranks (torchrun; gloo on CPU, NCCL on GPU), and the
     collectives are captured into each compiled graph.
@@ -130,6 +135,10 @@ def optimize(model: nn.Module, *, backend: str = "auto", passes: list[str] | Non
     unknown = [n for n in disable if n not in PASSES]
     if unknown:
         raise ValueError(f"unknown pass {unknown[0]!r}; valid passes: {', '.join(PASSES)}")
+    options = dict(options or {})
+    config = getattr(model, "config", None)
+    if getattr(config, "index_ties", "lowest") == "official":
+        options["radix_topk"] = {**options.get("radix_topk", {}), "official_ties": True}
     manager = PassManager(build_passes(passes, options), backend=kernel_backend, disable=tuple(disable),
                           debug_dir=debug_dir, check=check, fuel=fuel)
     return OptimizedModel(model, manager, inductor)

@@ -1,105 +1,86 @@
-"""The reference model against the official DeepSeek-V4 golden vectors (shared/golden/README.md).
+"""The reference model against the official DeepSeek-V4 golden vectors (shared/golden/README.md), scored as the
+goldens were made (``v4compile.golden``): one prefill per golden row, the decode path from the case's first
+prefill, the MTP block's last position.
 
-Tolerance, from the README: per logit row cosine similarity median >= 0.99, mean >= 0.97, argmax
-agreement >= 0.80; MTP last-position cosine >= 0.95. Rows where the official model's own prefill
-and decode paths pick different argmaxes are knife edges of the official model itself; there
-either official answer counts as agreement.
+Tolerance, from the README: per logit row cosine similarity median >= 0.99, mean >= 0.97, argmax agreement
+>= 0.80; MTP last-position cosine >= 0.95. With ``index_ties="official"`` (the official CPU ``torch.topk`` over
+its row layout) every folder is in the band; the default rule (lowest ids) is printed beside it and stays in
+the band on the folders whose indexers rarely tie.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import v4compile
+from v4compile.golden import GoldenScore, score
 from v4compile.model.checkpoint import read_tensors
 
-FOLDERS = ("tiny-bf16", "tiny-fp8-fp4")
+FOLDERS = ("tiny-bf16", "tiny-fp8-fp4", "tiny-bf16-c4first", "tiny-fp8-deep")
+TIE_HEAVY = ("tiny-bf16-c4first", "tiny-fp8-deep")
 
 
-def _cases(root: Path, name: str) -> tuple[dict[str, torch.Tensor], list[str]]:
-    cases = load_file(str(root / name / "cases.safetensors"))
-    keys = sorted({k.split(".")[0] for k in cases if k.startswith("case")})
-    return cases, keys
-
-
-def _band(ours: torch.Tensor, official: torch.Tensor, official_alt: torch.Tensor) -> dict[str, float]:
-    cos = F.cosine_similarity(ours, official, dim=-1)
-    top = ours.argmax(-1)
-    agree = (top == official.argmax(-1)) | (top == official_alt.argmax(-1))
-    return {"median": cos.median().item(), "mean": cos.mean().item(), "min": cos.min().item(),
-            "agree": agree.float().mean().item(), "agree_plain": (top == official.argmax(-1)).float().mean().item()}
-
-
-def _assert_in_band(stats: dict[str, float], what: str) -> None:
-    print(what, {k: round(v, 4) for k, v in stats.items()})
-    assert stats["median"] >= 0.99, (what, stats)
-    assert stats["mean"] >= 0.97, (what, stats)
-    assert stats["agree"] >= 0.80, (what, stats)
+@pytest.fixture(scope="module")
+def scores(golden_root: Path) -> dict[tuple[str, str], GoldenScore]:
+    """Every folder scored under both tie rules."""
+    return {(name, ties): score(v4compile.load(golden_root / name, index_ties=ties).eval(), golden_root / name)
+            for name in FOLDERS for ties in ("official", "lowest")}
 
 
 @pytest.mark.parametrize("name", FOLDERS)
-def test_full_forward_matches_official_prefill(golden_root: Path, golden_models: dict, name: str) -> None:
-    model = golden_models[name]
-    cases, keys = _cases(golden_root, name)
-    ours, official, official_decode = [], [], []
-    for key in keys:
-        ids, length = cases[f"{key}.ids"], int(cases[f"{key}.prefill_len"])
-        n = cases[f"{key}.prefill_logits"].shape[1]
-        with torch.no_grad():
-            ours.append(model(ids)[:, length - 1 : length - 1 + n].flatten(0, 1))
-        official.append(cases[f"{key}.prefill_logits"].flatten(0, 1))
-        official_decode.append(cases[f"{key}.decode_logits"].flatten(0, 1))
-    _assert_in_band(_band(torch.cat(ours), torch.cat(official), torch.cat(official_decode)), f"{name} prefill")
+def test_every_golden_folder_is_in_band_with_the_official_tie_rule(scores: dict, name: str) -> None:
+    official, lowest = scores[(name, "official")], scores[(name, "lowest")]
+    print("\n".join(official.lines()))
+    print("default tie rule (lowest ids):\n" + "\n".join(lowest.lines()))
+    assert official.prefill.in_band(), official.prefill
+    assert official.decode.in_band(), official.decode
+    assert official.decode_vs_own_prefill.in_band(), official.decode_vs_own_prefill
+    assert all(c >= 0.95 for c in official.mtp_cos), official.mtp_cos
 
 
-def _decode_logits(model: v4compile.DeepSeekV4, ids: torch.Tensor, length: int, n: int) -> torch.Tensor:
-    cache = model.new_cache(ids.shape[0])
-    with torch.no_grad():
-        steps = [model(ids[:, :length], cache=cache)[:, -1:]]
-        for i in range(n - 1):
-            positions = torch.full((ids.shape[0],), length + i)
-            steps.append(model.decode_step(ids[:, length + i : length + i + 1], positions, cache))
-    return torch.cat(steps, dim=1)
+def test_the_default_tie_rule_is_in_band_where_indexer_scores_rarely_tie(scores: dict) -> None:
+    for name in ("tiny-bf16", "tiny-fp8-fp4"):
+        assert scores[(name, "lowest")].in_band(), "\n".join(scores[(name, "lowest")].lines())
 
 
-@pytest.mark.parametrize("name", FOLDERS)
-def test_decode_with_caches_matches_official_decode_and_own_full_forward(
-    golden_root: Path, golden_models: dict, name: str
-) -> None:
-    model = golden_models[name]
-    cases, keys = _cases(golden_root, name)
-    ours, full, official, official_prefill = [], [], [], []
-    for key in keys:
-        ids, length = cases[f"{key}.ids"], int(cases[f"{key}.prefill_len"])
-        n = cases[f"{key}.decode_logits"].shape[1]
-        ours.append(_decode_logits(model, ids, length, n).flatten(0, 1))
-        with torch.no_grad():
-            full.append(model(ids)[:, length - 1 : length - 1 + n].flatten(0, 1))
-        official.append(cases[f"{key}.decode_logits"].flatten(0, 1))
-        official_prefill.append(cases[f"{key}.prefill_logits"].flatten(0, 1))
-    ours_t, full_t = torch.cat(ours), torch.cat(full)
-    official_t, official_prefill_t = torch.cat(official), torch.cat(official_prefill)
-    _assert_in_band(_band(ours_t, official_t, official_prefill_t), f"{name} decode vs official decode")
-    own = _band(ours_t, full_t, full_t)
-    drift = _band(official_t, official_prefill_t, official_prefill_t)
-    print(name, "official decode-vs-prefill drift", {k: round(v, 4) for k, v in drift.items()})
-    _assert_in_band(own, f"{name} decode vs own full forward")
+def test_on_tie_heavy_folders_the_tie_rule_decides_the_output(scores: dict) -> None:
+    """Lowest-id ties fall out of the band where two indexer heads make ReLU-zero ties common; the official rule
+    gets back in: the gap is the tie rule, not the math."""
+    for name in TIE_HEAVY:
+        lowest, official = scores[(name, "lowest")].prefill, scores[(name, "official")].prefill
+        assert not lowest.in_band() and official.in_band()
+        assert official.argmax_agreement > lowest.argmax_agreement + 0.1
+        assert official.mean_cos > lowest.mean_cos
 
 
-@pytest.mark.parametrize("name", FOLDERS)
-def test_mtp_logits_match_official(golden_root: Path, golden_models: dict, name: str) -> None:
-    cases, _ = _cases(golden_root, name)
-    with torch.no_grad():
-        logits = golden_models[name].mtp_logits(cases["mtp.hidden"], cases["mtp.ids"])[:, -1]
-    cos = F.cosine_similarity(logits, cases["mtp.logits"], dim=-1)
-    print(name, "mtp cos", cos.tolist())
-    assert (cos >= 0.95).all()
+def test_mtp_logits_are_bitwise_the_official_ones_with_mkl_in_its_reproducible_mode(golden_root: Path) -> None:
+    """The MTP block (window attention with its sink, MoE, mHC, the head on the last row) computes the official
+    model's logits bit for bit when MKL runs its reproducible code path (``MKL_CBWR=COMPATIBLE``, how the newer
+    golden folders were made; a variable MKL reads at start-up, hence the subprocess). tiny-bf16 is older and
+    matches one of its two rows only."""
+    script = textwrap.dedent(f"""
+        import torch, v4compile
+        from v4compile.golden import GoldenFolder
+        for name in ("tiny-fp8-fp4", "tiny-bf16-c4first", "tiny-fp8-deep"):
+            folder = GoldenFolder.read({str(golden_root)!r} + "/" + name)
+            model = v4compile.load(folder.path).eval()
+            with torch.no_grad():
+                got = model.mtp_logits(folder.mtp_hidden, folder.mtp_ids, last=True)
+            assert torch.equal(got, folder.mtp_logits), (name, (got - folder.mtp_logits).abs().max())
+        print("bitwise")
+    """)
+    env = {**os.environ, "MKL_CBWR": "COMPATIBLE"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "bitwise" in out.stdout, out.stderr[-2000:]
 
 
 def _hf_name(name: str) -> str:

@@ -75,4 +75,23 @@ def test_attention_without_a_sink_is_a_near_miss(monkeypatch: pytest.MonkeyPatch
     assert {m.details["form"] for m in stats.matches} == {"indexer scores"}
     reasons = [m.reason for m in stats.near_misses if "attention.py" in m.location.source or m.reason]
     assert len(reasons) == 4
-    assert all("not the [..., :k] prefix of a softmax" in r for r in reasons), reasons
+    assert all("neither exp(scores - max)" in r and "prefix of a softmax" in r for r in reasons), reasons
+
+
+def test_the_concatenated_sink_softmax_is_matched_too(monkeypatch: pytest.MonkeyPatch,
+                                                      tiny_model: v4compile.DeepSeekV4) -> None:
+    """Another spelling of the same math: the sink as an extra softmax column, cut off before the values."""
+    def concatenated(q, kv, sink, index, scale):
+        bsz, seqlen, k = index.shape
+        gather = index.clamp(min=0).reshape(bsz, seqlen * k, 1).expand(-1, -1, kv.shape[-1])
+        keys = torch.gather(kv, 1, gather).view(bsz, seqlen, k, -1).float()
+        scores = torch.einsum("bshd,bskd->bshk", q.float(), keys) * scale
+        scores = scores.masked_fill(~(index >= 0).unsqueeze(2), float("-inf"))
+        column = sink.float().view(1, 1, -1, 1).expand(bsz, seqlen, -1, 1)
+        probs = torch.cat((scores, column), dim=-1).softmax(dim=-1)[..., :k]
+        return torch.einsum("bshk,bskd->bshd", probs, keys).to(q.dtype)
+
+    monkeypatch.setattr(attention_module, "sparse_attention", concatenated)
+    optimized = explain(tiny_model, backend="reference", entries=("forward",), passes=["sparse_attention"])
+    [stats] = _stats(optimized, "sparse_attention")
+    assert sorted(m.details["form"] for m in stats.matches).count("attention") == 4, stats.near_misses

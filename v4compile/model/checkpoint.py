@@ -153,19 +153,22 @@ def _check_against_model(tensors: dict[str, _Entry], expected: dict[str, torch.T
 
 
 def load(path: str | Path, *, device: torch.device | str | None = None, max_seq_len: int | None = None,
-         tp_rank: int = 0, tp_size: int = 1) -> DeepSeekV4:
+         index_ties: str | None = None, tp_rank: int = 0, tp_size: int = 1) -> DeepSeekV4:
     """Loads a model from a directory with ``config.json`` and ``*.safetensors`` (official or HF names).
 
     Quantized weights stay quantized. Any missing, extra, mis-shaped or mis-typed tensor is a
     CheckpointError naming it (checked against the file headers before any weight is read).
     ``tp_rank``/``tp_size`` load the shard of one tensor-parallel rank, reading only the parts of the
     tensors it holds; a degree the config cannot be split by is a ConfigError (ValueError) naming the
-    field, raised before anything else is read.
+    field, raised before anything else is read. ``max_seq_len`` and ``index_ties`` override the config's
+    settings (see ``V4Config``).
     """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
-    overrides = {"max_seq_len": max_seq_len} if max_seq_len else {}
+    overrides: dict[str, object] = {"max_seq_len": max_seq_len} if max_seq_len else {}
+    if index_ties is not None:
+        overrides["index_ties"] = index_ties
     config = V4Config.from_json(path / "config.json", **overrides)
     check_degree(config, tp_size, tp_rank)
     with Checkpoint(path) as checkpoint:

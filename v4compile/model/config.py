@@ -10,6 +10,7 @@ from typing import Any
 
 VALID_COMPRESS_RATIOS = (0, 4, 128)
 DEFAULT_MAX_SEQ_LEN = 4096
+INDEX_TIE_RULES = ("lowest", "official")
 
 
 class ConfigError(ValueError):
@@ -23,10 +24,16 @@ def _alternating(first: list[int], n_layers: int, n_mtp: int) -> list[int]:
 
 @dataclass
 class V4Config:
-    """Every key of the official inference ``config.json`` plus ``max_seq_len``.
+    """Every key of the official inference ``config.json`` plus two settings, ``max_seq_len`` and ``index_ties``.
 
     ``max_seq_len`` is not an official key: it sizes caches and bounds inputs, and defaults to
     4096 (the official code's default); it is never derived from ``original_seq_len``.
+    ``index_ties`` is the lightning indexer's rule among equal scores, which V4-SPEC leaves open: "lowest"
+    (default) keeps the lowest entry ids, the same in prefill, chunks and decode, batch-invariant and what the
+    radix top-k kernel computes; "official" reproduces the official model's choice on the CPU (``torch.topk``
+    over the row the official code builds: every entry existing at the end of the call, -inf where a query
+    cannot see it, k = min(index_topk, entries)), for parity with the official outputs. It is an eager
+    reference: its decode reads positions on the host, so it is not captured.
     """
 
     vocab_size: int = 512
@@ -67,6 +74,7 @@ class V4Config:
     compress_ratios: list[int] = field(default_factory=lambda: [0, 4, 128, 4, 0])
     n_mtp_layers: int = 1
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN
+    index_ties: str = "lowest"
 
     def __post_init__(self) -> None:
         self.compress_ratios = [int(r) for r in self.compress_ratios]
@@ -112,7 +120,7 @@ class V4Config:
         return cls.from_dict(base, **overrides)
 
     def to_dict(self) -> dict[str, Any]:
-        """The config as official keys (plus ``max_seq_len``)."""
+        """The config as official keys (plus the settings ``max_seq_len`` and ``index_ties``)."""
         return dataclasses.asdict(self)
 
     # ----------------------------------------------------------------- derived values
@@ -174,6 +182,8 @@ class V4Config:
             (self.window_size >= 1, f"window_size must be positive, got {self.window_size}"),
             (self.hc_mult >= 1 and self.hc_sinkhorn_iters >= 1, "hc_mult and hc_sinkhorn_iters must be >= 1"),
             (self.max_seq_len >= 1, f"max_seq_len must be positive, got {self.max_seq_len}"),
+            (self.index_ties in INDEX_TIE_RULES,
+             f"index_ties must be one of {INDEX_TIE_RULES}, got {self.index_ties!r}"),
             (self.vocab_size >= 1 and self.dim >= 1, "vocab_size and dim must be positive"),
         ]
         for ok, message in checks:

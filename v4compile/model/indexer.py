@@ -31,6 +31,23 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
     return reduce(weighted.to(out).sum(dim=2)).to(q.dtype).to(out)
 
 
+def _official_rows(masked: torch.Tensor, entries: torch.Tensor, topk: int, width: int) -> torch.Tensor:
+    """``torch.topk`` over each row's first ``entries[b]`` columns, k = min(topk, entries[b]), padded with -1 to
+    ``width``: the official decode's row layout. Reads ``entries`` on the host, so it runs eagerly only."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("index_ties='official' decodes eagerly only (its top-k length follows each row's "
+                           "position); compile with index_ties='lowest'")
+    out = torch.full((*masked.shape[:-1], width), -1, dtype=torch.long, device=masked.device)
+    counts = entries.tolist()
+    for count in sorted(set(counts)):
+        rows = torch.tensor([b for b, c in enumerate(counts) if c == count], device=masked.device)
+        k = min(topk, count, width)
+        if k:
+            values, ids = masked[rows, :, :count].topk(k, dim=-1)
+            out[rows, :, :k] = torch.where(values == float("-inf"), -1, ids)
+    return out
+
+
 class Indexer(nn.Module):
     """Official names: ``wq_b``, ``weights_proj`` (bf16), ``compressor`` (width index_head_dim, rotating).
     Under tensor parallelism a rank holds ``index_n_heads / tp`` heads; the compressor is replicated."""
@@ -45,6 +62,7 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(config.dim, self.n_heads, "bf16")
         self.compressor = Compressor(config, ratio, self.head_dim, rotate=True)
         self.weight_scale = self.head_dim**-0.5 * config.index_n_heads**-0.5
+        self.ties = config.index_ties
 
     def queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Indexer queries [B, S, H_I, d_I]: projected, rotated (RoPE, Hadamard), FP4-simulated."""
@@ -63,14 +81,22 @@ class Indexer(nn.Module):
             return index_scores(q, keys, weights)
         return index_scores(q, keys, weights, self.tp.all_reduce)
 
-    def select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """Top-k entry ids among visible ones [B, S, min(topk, N)], ties to the lowest id; -1 fills missing slots.
+    def select(self, scores: torch.Tensor, visible: torch.Tensor, entries: torch.Tensor | None = None) -> torch.Tensor:
+        """Top-k entry ids among visible ones [B, S, min(topk, N)] by ``config.index_ties``; -1 fills missing slots.
 
-        The tie rule matters: the bf16 scores tie often, and prefill and decode must choose alike."""
+        The tie rule matters: the bf16 scores tie often (ReLU zeros), and prefill and decode must choose alike.
+        "lowest" keeps the lowest ids. "official" takes ``torch.topk`` over the first ``entries`` [B] columns
+        of each row (the entries that exist at the end of the call; all columns when None), as the official
+        model does on the CPU."""
         k = min(self.topk, scores.shape[-1])
         masked = scores.masked_fill(~visible, float("-inf"))
-        values, ids = masked.sort(dim=-1, descending=True, stable=True)
-        return torch.where(values[..., :k] == float("-inf"), -1, ids[..., :k])
+        if self.ties == "lowest":
+            values, ids = masked.sort(dim=-1, descending=True, stable=True)
+            return torch.where(values[..., :k] == float("-inf"), -1, ids[..., :k])
+        if entries is None:
+            values, ids = masked.topk(k, dim=-1)
+            return torch.where(values == float("-inf"), -1, ids)
+        return _official_rows(masked, entries, self.topk, k)
 
     def forward_full(
         self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, freqs: torch.Tensor,
@@ -110,4 +136,6 @@ class Indexer(nn.Module):
         scores = self.scores(x, q, keys)
         count = ((pos + 1) // self.ratio).unsqueeze(-1)
         visible = torch.arange(keys.shape[1], device=x.device).view(1, 1, -1) < count
-        return replay if replay is not None else self.select(scores, visible)
+        if replay is not None:
+            return replay
+        return self.select(scores, visible, count[:, -1, 0] if self.ties == "official" else None)

@@ -28,9 +28,13 @@ def rope_frequencies(
 
 
 def rope_cos_sin(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin ``[*positions.shape, rope_dim/2]`` of the angles ``position * freq`` (fp32)."""
+    """cos and sin ``[*positions.shape, rope_dim/2]`` of the angles ``position * freq`` (fp32).
+
+    Built with ``torch.polar`` as the official model builds its table: ``torch.cos``/``torch.sin`` round
+    differently in places (1 fp32 ulp), which the FP8/FP4 simulation downstream can amplify."""
     angles = positions.to(torch.float32).unsqueeze(-1) * freqs.to(positions.device)
-    return torch.cos(angles), torch.sin(angles)
+    unit = torch.polar(torch.ones_like(angles), angles)
+    return unit.real.contiguous(), unit.imag.contiguous()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -11,8 +11,9 @@ def sparse_attention(
     """Attends ``q`` [B, S, H, d] over ``kv[b, index[b, s, :]]`` (one entry is key and value).
 
     ``kv`` is [B, N, d]; ``index`` [B, S, K] (-1 = masked; duplicates count twice). Scores are fp32;
-    the per-head ``sink`` [H] enters only the softmax denominator (fp64 inputs stay fp64). Returns [B, S, H, d]
-    in q's dtype.
+    the per-head ``sink`` [H] enters only the softmax denominator (fp64 inputs stay fp64). Rounded in the
+    official order: the max over the scores alone (not the sink), ``exp(s - max)`` weights the values, and
+    the sum is divided by ``sum exp(s - max) + exp(sink - max)`` last. Returns [B, S, H, d] in q's dtype.
     """
     bsz, seqlen, k = index.shape
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -21,7 +22,9 @@ def sparse_attention(
     keys = torch.gather(kv, 1, gather).view(bsz, seqlen, k, -1).to(acc)
     scores = torch.einsum("bshd,bskd->bshk", q.to(acc), keys) * scale
     scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
-    sink_logits = sink.to(acc).view(1, 1, -1, 1).expand(bsz, seqlen, -1, 1)
-    probs = torch.cat((scores, sink_logits), dim=-1).softmax(dim=-1)[..., :k]
-    out = torch.einsum("bshk,bskd->bshd", probs, keys)
+    top = scores.amax(dim=-1, keepdim=True).detach()
+    top = torch.where(top == float("-inf"), 0.0, top)  # a row with every entry masked attends to the sink only
+    weights = torch.exp(scores - top)
+    denominator = weights.sum(dim=-1, keepdim=True) + torch.exp(sink.to(acc).view(1, 1, -1, 1) - top)
+    out = torch.einsum("bshk,bskd->bshd", weights, keys) / denominator
     return out.to(q.dtype)

@@ -150,11 +150,15 @@ class DeepSeekV4(nn.Module):
                       routing=routing, layer=i)
         return x
 
-    def logits(self, streams: torch.Tensor) -> torch.Tensor:
-        """fp32 logits from final streams: mHC head, final RMSNorm, output head."""
+    def logits(self, streams: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """fp32 logits from final streams [B, S, n, D]: mHC head, final RMSNorm, output head, [B, S, vocab].
+        ``last``: the last position's [B, vocab] only, as the official model computes a prefill's logits (mHC
+        head and norm over every position, the output head on the last row; the rows of a product decide
+        its rounding, so this is how to reproduce the official logits bitwise)."""
         h = hc_head(streams, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.config.hc_eps,
                     self.config.norm_eps)
-        return self.tp.all_gather(self.head(self.tp.region_input(self.norm(h).float())))
+        h = self.norm(h)
+        return self.tp.all_gather(self.head(self.tp.region_input((h[:, -1] if last else h).float())))
 
     def forward(self, input_ids: torch.Tensor, cache: V4Cache | None = None,
                 routing: Routing | None = None) -> torch.Tensor:
@@ -223,23 +227,26 @@ class DeepSeekV4(nn.Module):
             raise InputError(f"MTP block {k} does not exist; the model has {len(self.mtp)}")
 
     def _mtp(self, hidden: torch.Tensor, next_ids: torch.Tensor, k: int, cache: LayerCache | None,
-             positions: torch.Tensor | None = None, start: int | None = None) -> torch.Tensor:
-        """MTP block ``k`` on main-model streams and the ids that followed them, with or without its cache."""
+             positions: torch.Tensor | None = None, start: int | None = None, last: bool = False) -> torch.Tensor:
+        """MTP block ``k`` on main-model streams and the ids that followed them, with or without its cache;
+        ``last`` as in ``logits``."""
         block = self.mtp[k]
         x = block.streams(self.embed(next_ids), hidden.to(torch.bfloat16))
         x = block(x, next_ids, cache, positions=positions, start=start)
         h = hc_head(x, block.hc_head_fn, block.hc_head_scale, block.hc_head_base, self.config.hc_eps,
                     self.config.norm_eps)
-        return self.tp.all_gather(self.head(self.tp.region_input(block.norm(h).float())))
+        h = block.norm(h)
+        return self.tp.all_gather(self.head(self.tp.region_input((h[:, -1] if last else h).float())))
 
-    def mtp_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor, k: int = 0) -> torch.Tensor:
-        """Logits [B, S, vocab] of MTP block ``k`` from main-model streams ``hidden`` [B, S, n, D] and ``input_ids``."""
+    def mtp_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor, k: int = 0, last: bool = False) -> torch.Tensor:
+        """Logits [B, S, vocab] of MTP block ``k`` from main-model streams ``hidden`` [B, S, n, D] and ``input_ids``
+        (``last``: the last position's [B, vocab], computed as ``logits(..., last=True)`` does)."""
         self._check_ids(input_ids)
         self._check_mtp_block(k)
         want = (*input_ids.shape, self.config.hc_mult, self.config.dim)
         if tuple(hidden.shape) != want:
             raise InputError(f"hidden must have shape {want} to match input_ids, got {tuple(hidden.shape)}")
-        return self._mtp(hidden, input_ids, k, None)
+        return self._mtp(hidden, input_ids, k, None, last=last)
 
 
 def _describe(x: object) -> str:

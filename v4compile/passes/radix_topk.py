@@ -44,7 +44,9 @@ class RadixTopK(GraphPass):
     matches = ("sort(x, descending, stable)[..., :k] (the indexer) and topk(x, k) with k <= max_k over "
                ">= min_candidates candidates")
     option_help = {"max_k": "largest k rewritten (default 2048)",
-                   "min_candidates": "smallest candidate count for plain topk (default 4096)"}
+                   "min_candidates": "smallest candidate count for plain topk (default 4096)",
+                   "official_ties": "keep every plain topk (set by optimize for a model with index_ties='official', "
+                                    "whose indexer needs torch.topk's own tie order)"}
 
     def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
         """Every sort and topk."""
@@ -67,6 +69,9 @@ class RadixTopK(GraphPass):
         x, k = node.args[0], int(node.args[1])
         dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)) % len(dims)
         largest = node.args[3] if len(node.args) > 3 else node.kwargs.get("largest", True)
+        if self.options.get("official_ties"):
+            raise NoMatch("the model's index_ties='official' keeps torch.topk's own tie order (the kernel's ties go "
+                          "to the lowest index)")
         if dim != len(dims) - 1:
             raise NoMatch(f"topk over dim {dim}, not the last dim")
         if not largest:

@@ -1,12 +1,13 @@
 """``sparse_attention``: the attention's gather + softmax-with-sink + weighted sum, and the lightning
 indexer's ``sum_h w * relu(q . k)`` scoring, become the sparse attention and indexer scoring kernels.
 
-Attention form (model/sparse_attention.py): ``keys = gather(kv, index.clamp(0))``, scores
-``einsum(q, keys) * scale`` masked where ``index < 0``, ``softmax(cat(scores, sink))[..., :k]``,
-``einsum(probs, keys)``. Neither the gathered keys nor the [B,S,H,K] scores are materialised by the
-kernel. Indexer form (model/indexer.py ``index_scores``): ``(relu(einsum(q, keys)) * w).sum(heads)``.
-The top-k that follows the scores stays a separate kernel (``radix_topk``): scoring and selection are
-not fused on any backend yet.
+Attention (model/sparse_attention.py): ``keys = gather(kv, index.clamp(0))``, scores ``einsum(q, keys) *
+scale`` masked where ``index < 0``, then the softmax with the sink in either spelling: the official order
+``einsum(exp(s - max), keys) / (sum(exp(s - max)) + exp(sink - max))`` or ``softmax(cat(s, sink))[..., :k]``
+before ``einsum(probs, keys)``. Neither the gathered keys nor the [B,S,H,K] scores are materialised by the
+kernel, which keeps an online softmax (another summation order, hence the pass's tolerance). Indexer form
+(model/indexer.py ``index_scores``): ``(relu(einsum(q, keys)) * w).sum(heads)``. The top-k that follows the
+scores stays a separate kernel (``radix_topk``): scoring and selection are not fused on any backend yet.
 """
 
 from __future__ import annotations
@@ -44,6 +45,19 @@ def _kernel_dim_ok(dim: int, what: str) -> None:
         raise NoMatch(f"{what} head dim {dim} is not a power of two >= 16 (the kernel's constraint)")
 
 
+def _is_row_max(top: object, scores: fx.Node) -> bool:
+    """Whether ``top`` is the last-dim maximum of ``scores`` (kept dim), possibly detached, floored, made finite
+    with a ``where`` or raised to the sink: any of these leaves the softmax's value unchanged."""
+    while True:
+        if is_op(top, aten.where):
+            top = top.args[2]
+        elif is_op(top, aten.detach, aten.alias, aten.clamp, aten.clamp_min, aten.maximum):
+            top = top.args[0]
+        else:
+            break
+    return is_op(top, aten.amax) and top.args[0] is scores and list(top.args[1]) in ([3], [-1])
+
+
 def _single_value(node: fx.Node) -> fx.Node:
     """``node``'s only user when that is a dtype cast (the region's real output), else ``node``."""
     users = list(node.users)
@@ -74,17 +88,10 @@ class SparseAttention(GraphPass):
 
     def _attention(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
         probs, values = _einsum(node, ATTENTION_VALUES, "the value product")
-        if not is_op(probs, aten.slice) or probs.args[1] % 4 != 3 or (probs.args[2] or 0) != 0:
-            raise NoMatch("the probabilities are not the [..., :k] prefix of a softmax (no sink column cut off)")
-        k = int(probs.args[3])
-        softmax = probs.args[0]
-        if not is_op(softmax, aten.softmax, aten._softmax) or softmax.args[1] % 4 != 3:
-            raise NoMatch("the value weights are not a softmax over the entries")
-        joined = softmax.args[0]
-        if not is_op(joined, aten.cat) or len(joined.args[0]) != 2 or joined.args[1] % 4 != 3:
-            raise NoMatch("the softmax has no sink column appended to the scores")
-        masked, sink_column = joined.args[0]
-        sink = _strip_casts(self._sink_source(sink_column))
+        if is_op(probs, aten.exp):
+            masked, sink, out = self._official_softmax(node, probs)
+        else:
+            masked, sink, out = self._concatenated_softmax(node, probs)
         if not is_op(masked, aten.masked_fill) or masked.args[2] != float("-inf"):
             raise NoMatch("the scores are not masked to -inf where the index is -1")
         scaled, invalid = masked.args[0], masked.args[1]
@@ -99,14 +106,55 @@ class SparseAttention(GraphPass):
             raise NoMatch("the mask is not index < 0 of the same index that addresses the entries")
         q = _strip_casts(q)
         dims = shape(q)
+        k = (shape(masked) or (0,))[-1]
         if dims is None or len(dims) != 4 or shape(index) is None or shape(index)[-1] != k:
             raise NoMatch("q is not [B,S,H,d] or the index width differs from the kept probabilities")
         _kernel_dim_ok(dims[-1], "attention")
-        sink_node = _single_value(node)
         impl = ops.implementation_backend("sparse_attention", ctx.backend, q.meta.get("val"))
-        return Rewrite(sink_node, ops.sparse_attention, (q, kv, sink, index, scale, ctx.backend),
+        return Rewrite(_single_value(out), ops.sparse_attention, (q, kv, sink, index, scale, ctx.backend),
                        f"sparse_attention.d{dims[-1]}.{impl}",
                        {"form": "attention", "heads": dims[2], "dim": dims[-1], "entries": k, "queries": dims[1]})
+
+    def _official_softmax(self, node: fx.Node, weights: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
+        """``einsum(exp(s - max), keys) / (sum(exp(s - max)) + exp(sink - max))`` -> (s, sink, the division)."""
+        shifted = weights.args[0]
+        if not is_op(shifted, aten.sub):
+            raise NoMatch("the value weights are exp() of something other than the scores minus their maximum")
+        masked, top = shifted.args[0], shifted.args[1]
+        if not _is_row_max(top, masked):
+            raise NoMatch("the scores are not shifted by their row maximum before exp()")
+        divisions = [u for u in node.users if is_op(u, aten.div) and u.args[0] is node]
+        if len(divisions) != 1:
+            raise NoMatch("the exp-weighted values are not divided by a softmax denominator")
+        division = divisions[0]
+        denominator = division.args[1]
+        if not is_op(denominator, aten.add):
+            raise NoMatch("the softmax denominator is not sum(weights) + exp(sink - max)")
+        total, sink_term = denominator.args[:2]
+        if not is_op(total, aten.sum):
+            total, sink_term = sink_term, total
+        if not is_op(total, aten.sum) or total.args[0] is not weights or list(total.args[1]) not in ([3], [-1]):
+            raise NoMatch("the softmax denominator does not sum the same weights over the entries")
+        if not is_op(sink_term, aten.exp) or not is_op(sink_term.args[0], aten.sub) \
+                or sink_term.args[0].args[1] is not top:
+            raise NoMatch("the softmax denominator adds no exp(sink - max) with the scores' maximum (no sink)")
+        return masked, _strip_casts(self._sink_source(sink_term.args[0].args[0])), division
+
+    def _concatenated_softmax(self, node: fx.Node, probs: object) -> tuple[fx.Node, fx.Node, fx.Node]:
+        """``softmax(cat(s, sink))[..., :k]`` -> (s, sink, the value product)."""
+        if not is_op(probs, aten.slice) or probs.args[1] % 4 != 3 or (probs.args[2] or 0) != 0:
+            raise NoMatch("the value weights are neither exp(scores - max) (a sink in the denominator) nor the "
+                          "[..., :k] prefix of a softmax (a sink column cut off)")
+        softmax = probs.args[0]
+        if not is_op(softmax, aten.softmax, aten._softmax) or softmax.args[1] % 4 != 3:
+            raise NoMatch("the value weights are not a softmax over the entries")
+        joined = softmax.args[0]
+        if not is_op(joined, aten.cat) or len(joined.args[0]) != 2 or joined.args[1] % 4 != 3:
+            raise NoMatch("the softmax has no sink column appended to the scores")
+        masked, sink_column = joined.args[0]
+        if (shape(masked) or (0,))[-1] != int(probs.args[3]):
+            raise NoMatch("the kept probabilities are not exactly the scores' columns")
+        return masked, _strip_casts(self._sink_source(sink_column)), node
 
     @staticmethod
     def _sink_source(column: fx.Node) -> fx.Node:
