@@ -62,6 +62,7 @@ def test_check_against_a_golden_folder(golden_root: Path, capsys: pytest.Capture
     assert main(["check", str(golden_root / "tiny-bf16"), "--backend", "reference"]) == 0
     out = capsys.readouterr().out
     assert "optimized vs golden" in out and "optimized vs eager" in out
+    assert "tiny-bf16: in band" in out and "verdict: in band (index_ties=lowest)" in out
 
 
 def test_generate_reads_prompts_reports_hits_and_per_request_errors(tmp_path: Path,
@@ -74,6 +75,15 @@ def test_generate_reads_prompts_reports_hits_and_per_request_errors(tmp_path: Pa
     assert out[0]["cache"]["cached_tokens"] == 128 and "9999" in out[2]["error"]
     assert main(["generate", "--ids", "1 x 3"]) == 2
     assert "token ids must be integers" in capsys.readouterr().out
+
+
+def test_generate_fails_when_every_request_fails_and_refuses_a_negative_length(
+        capsys: pytest.CaptureFixture) -> None:
+    assert main(["generate", "--ids", ""]) == 1
+    assert "every request failed" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--ids", "1 2 3", "--max-new-tokens", "-3"])
+    assert exit_info.value.code == 2 and "--max-new-tokens: must be at least 1, got -3" in capsys.readouterr().err
 
 
 def test_serve_bench_prints_hit_rates_and_bytes(capsys: pytest.CaptureFixture) -> None:

@@ -25,10 +25,11 @@ def _in_band(name: str, results) -> None:
 
 
 @pytest.mark.parametrize(("folder", "ties"), [("tiny-bf16", "lowest"), ("tiny-fp8-fp4", "lowest"),
-                                             ("tiny-bf16-c4first", "official"), ("tiny-fp8-deep", "official")])
+                                             ("tiny-bf16-c4first", "official")])
 def test_optimized_model_meets_golden_tolerance_with_all_passes(golden_root: Path, golden_models: dict,
                                                                 folder: str, ties: str) -> None:
-    """The tie-heavy folders need the official tie rule to be in the band at all (tests/model/test_golden.py)."""
+    """A tie-heavy folder needs the official tie rule to be in the band at all (tests/model/test_golden.py); its
+    top-k stays torch.topk through the passes."""
     model = golden_models[folder] if ties == "lowest" else v4compile.load(golden_root / folder, index_ties=ties)
     optimized = v4compile.optimize(model.eval(), backend="reference", inductor=False)
     _in_band(folder, golden_check(optimized, golden_root / folder))

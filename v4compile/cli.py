@@ -297,7 +297,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(json.dumps([{"tokens": r.tokens, "logprobs": r.logprobs, "finish_reason": r.finish_reason,
                            "error": r.error, "cache": vars(r.cache), "mtp_drafted": r.mtp_drafted,
                            "mtp_accepted": r.mtp_accepted} for r in results], indent=1))
-        return 0
+        return _generate_status(results)
     table = Table(title="v4compile generate")
     for col in ("#", "prompt", "output ids", "cached", "recomputed", "prefilled", "status"):
         table.add_column(col, overflow="fold")
@@ -310,7 +310,26 @@ def _generate(args: argparse.Namespace) -> int:
     if args.mtp:
         drafted = sum(r.mtp_drafted for r in results)
         console.print(f"MTP drafts accepted: {sum(r.mtp_accepted for r in results)} of {drafted}")
+    return _generate_status(results)
+
+
+def _generate_status(results: list) -> int:
+    """The exit status of ``generate``: 1 when every request failed (each one's error is in the output)."""
+    if results and all(r.error for r in results):
+        console.print(f"[red]error:[/red] every request failed, the first with: {results[0].error}", soft_wrap=True)
+        return 1
     return 0
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _serve_bench(args: argparse.Namespace) -> int:
@@ -382,12 +401,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(gen)
     gen.add_argument("--ids", nargs="*", help="prompts: one argument each, ids separated by spaces or commas")
     gen.add_argument("--file", help="a text file with one prompt of token ids per line")
-    gen.add_argument("--max-new-tokens", type=int, default=16)
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=16)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--max-batch", type=int, default=4)
-    gen.add_argument("--repeat", type=int, default=1, help="serve the prompts this many times (shows cache hits)")
+    gen.add_argument("--max-batch", type=_positive_int, default=4)
+    gen.add_argument("--repeat", type=_positive_int, default=1,
+                     help="serve the prompts this many times (shows cache hits)")
     gen.add_argument("--no-prefix-cache", action="store_true")
     gen.add_argument("--mtp", action="store_true", help="speculative decoding with the MTP block (greedy)")
     gen.add_argument("--json", action="store_true", help="print outputs, log-probs and cache stats as JSON")

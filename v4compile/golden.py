@@ -131,23 +131,23 @@ def prefill_rows(model: DeepSeekV4, case: GoldenCase, hidden_states: Forward | N
     batch, as the official model ran them), its last position's logits. ``hidden_states`` replaces the model's
     (an optimized model's compiled entry point)."""
     run = hidden_states or model.hidden_states
-    n = case.prefill_logits.shape[1]
+    n, ids = case.prefill_logits.shape[1], case.ids.to(model.embed.weight.device)
     with torch.no_grad():
-        rows = [model.logits(run(case.ids[:, : case.prefill_len + i]), last=True) for i in range(n)]
-    return torch.stack(rows, dim=1)
+        rows = [model.logits(run(ids[:, : case.prefill_len + i]), last=True) for i in range(n)]
+    return torch.stack(rows, dim=1).cpu()
 
 
 def decode_rows(model: DeepSeekV4, case: GoldenCase) -> torch.Tensor:
     """[B, n, V]: a prefill of ``prefill_len`` tokens (its last logits), then one-token decode steps on the case's
     ids, as the official incremental path reached the same positions."""
-    ids, length = case.ids, case.prefill_len
+    ids, length = case.ids.to(model.embed.weight.device), case.prefill_len
     cache = model.new_cache(ids.shape[0])
     with torch.no_grad():
         rows = [model.logits(model.hidden_states(ids[:, :length], cache=cache), last=True)]
         for i in range(case.decode_logits.shape[1] - 1):
-            positions = torch.full((ids.shape[0],), length + i)
+            positions = torch.full((ids.shape[0],), length + i, device=ids.device)
             rows.append(model.decode_step(ids[:, length + i : length + i + 1], positions, cache)[:, 0])
-    return torch.stack(rows, dim=1)
+    return torch.stack(rows, dim=1).cpu()
 
 
 def score(model: DeepSeekV4, folder: str | Path | GoldenFolder) -> GoldenScore:
@@ -164,8 +164,9 @@ def score(model: DeepSeekV4, folder: str | Path | GoldenFolder) -> GoldenScore:
     p, d, op, od = (torch.cat(t) for t in (prefill, decode, official_p, official_d))
     mtp_cos: list[float] = []
     if len(model.mtp):
+        device = model.embed.weight.device
         with torch.no_grad():
-            mtp = model.mtp_logits(golden.mtp_hidden, golden.mtp_ids, last=True)
+            mtp = model.mtp_logits(golden.mtp_hidden.to(device), golden.mtp_ids.to(device), last=True).cpu()
         mtp_cos = F.cosine_similarity(mtp, golden.mtp_logits, dim=-1).tolist()
     return GoldenScore(golden.path.name, Agreement.of(p, op), Agreement.of(d, od), Agreement.of(d, p),
                        Agreement.of(od, op), by_case, mtp_cos)

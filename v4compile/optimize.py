@@ -127,6 +127,8 @@ def optimize(model: nn.Module, *, backend: str = "auto", passes: list[str] | Non
     collectives are captured into each compiled graph.
     """
     check_tensor_parallel(model, tp)
+    if fuel is not None and (not isinstance(fuel, int) or isinstance(fuel, bool) or fuel < 0):
+        raise ValueError(f"fuel must be None or a non-negative integer (rewrites to allow), got {fuel!r}")
     if deterministic:
         torch.use_deterministic_algorithms(True)
         batch_invariant.enable()

@@ -118,3 +118,46 @@ def test_decode_input_shapes(tiny_model) -> None:
         tiny_model.decode_step(torch.zeros(2, 1, dtype=torch.long), torch.tensor([3]), cache)
     with pytest.raises(InputError, match="need 3 rows"):
         tiny_model.decode_step(torch.zeros(3, 1, dtype=torch.long), torch.tensor([3, 3, 3]), cache)
+
+
+def test_a_config_value_of_the_wrong_type_names_the_key_and_the_file(checkpoint_copy) -> None:
+    path, tensors = checkpoint_copy
+    _save(path, tensors)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "n_heads": "four"}))
+    with pytest.raises(ConfigError, match=r"config\.json: config key 'n_heads' must be an integer, got 'four'"):
+        v4compile.load(path)
+    with pytest.raises(ConfigError, match="'compress_ratios' must be a list of integers"):
+        V4Config.preset("tiny", compress_ratios=[0, 4, "128", 4, 0])
+
+
+def test_config_json_that_is_not_json_names_the_file_and_the_place(checkpoint_copy) -> None:
+    path, _ = checkpoint_copy
+    (path / "config.json").write_text('{"dim": 128,\n "n_layers": }')
+    with pytest.raises(ConfigError, match=r"config\.json is not valid JSON: .* line 2, column"):
+        v4compile.load(path)
+    (path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="must hold a JSON object"):
+        v4compile.load(path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_an_unreadable_safetensors_file_is_named(checkpoint_copy, damage: str) -> None:
+    path, tensors = checkpoint_copy
+    _save(path, tensors)
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[:100] if damage == "truncated" else b"not a checkpoint" * 8)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable safetensors file"):
+        v4compile.load(path)
+
+
+def test_zero_layers_says_so() -> None:
+    with pytest.raises(ConfigError, match="n_layers must be an integer of at least 1, got 0"):
+        V4Config.preset("tiny", n_layers=0)
+    with pytest.raises(ConfigError, match="n_layers must be at least 1"):
+        V4Config.preset("tiny", n_layers=0, compress_ratios=[0])
+
+
+def test_negative_fuel_is_refused(tiny_model) -> None:
+    with pytest.raises(ValueError, match="fuel must be None or a non-negative integer"):
+        v4compile.optimize(tiny_model, fuel=-1)

@@ -58,16 +58,22 @@ def test_heads_already_a_multiple_are_a_near_miss(tiny_model: v4compile.DeepSeek
     assert all(m.reason == "4 heads are already a multiple of 2 (option)" for m in stats.near_misses)
 
 
+def _masked_scores(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gathered entries and their masked scores, spelled as the model spells them."""
+    bsz, seqlen, k = index.shape
+    gather = index.clamp(min=0).reshape(bsz, seqlen * k, 1).expand(-1, -1, kv.shape[-1])
+    keys = torch.gather(kv, 1, gather).view(bsz, seqlen, k, -1).float()
+    scores = torch.einsum("bshd,bskd->bshk", q.float(), keys) * scale
+    return keys, scores.masked_fill(~(index >= 0).unsqueeze(2), float("-inf"))
+
+
 def test_attention_without_a_sink_is_a_near_miss(monkeypatch: pytest.MonkeyPatch,
                                                  tiny_model: v4compile.DeepSeekV4) -> None:
     def no_sink(q, kv, sink, index, scale):
-        """The model's attention with the sink column left out of the softmax."""
-        bsz, seqlen, k = index.shape
-        gather = index.clamp(min=0).reshape(bsz, seqlen * k, 1).expand(-1, -1, kv.shape[-1])
-        keys = torch.gather(kv, 1, gather).view(bsz, seqlen, k, -1).float()
-        scores = torch.einsum("bshd,bskd->bshk", q.float(), keys) * scale
-        probs = scores.masked_fill(~(index >= 0).unsqueeze(2), float("-inf")).softmax(dim=-1)
-        return torch.einsum("bshk,bskd->bshd", probs, keys).to(q.dtype)
+        """The model's attention with the sink left out of the softmax."""
+        keys, scores = _masked_scores(q, kv, index, scale)
+        return torch.einsum("bshk,bskd->bshd", scores.softmax(dim=-1), keys).to(q.dtype)
 
     monkeypatch.setattr(attention_module, "sparse_attention", no_sink)
     optimized = explain(tiny_model, backend="reference", entries=("forward",), passes=["sparse_attention"])
@@ -82,13 +88,9 @@ def test_the_concatenated_sink_softmax_is_matched_too(monkeypatch: pytest.Monkey
                                                       tiny_model: v4compile.DeepSeekV4) -> None:
     """Another spelling of the same math: the sink as an extra softmax column, cut off before the values."""
     def concatenated(q, kv, sink, index, scale):
-        bsz, seqlen, k = index.shape
-        gather = index.clamp(min=0).reshape(bsz, seqlen * k, 1).expand(-1, -1, kv.shape[-1])
-        keys = torch.gather(kv, 1, gather).view(bsz, seqlen, k, -1).float()
-        scores = torch.einsum("bshd,bskd->bshk", q.float(), keys) * scale
-        scores = scores.masked_fill(~(index >= 0).unsqueeze(2), float("-inf"))
-        column = sink.float().view(1, 1, -1, 1).expand(bsz, seqlen, -1, 1)
-        probs = torch.cat((scores, column), dim=-1).softmax(dim=-1)[..., :k]
+        keys, scores = _masked_scores(q, kv, index, scale)
+        column = sink.float().view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.cat((scores, column), dim=-1).softmax(dim=-1)[..., : index.shape[-1]]
         return torch.einsum("bshk,bskd->bshd", probs, keys).to(q.dtype)
 
     monkeypatch.setattr(attention_module, "sparse_attention", concatenated)

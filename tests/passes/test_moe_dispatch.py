@@ -12,7 +12,6 @@ in tests/test_optimize.py.
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,13 +24,11 @@ from torch import nn
 import v4compile
 from v4compile.backend import make_backend
 from v4compile.codegen.registry import REGISTRY
+from v4compile.golden import Agreement
 from v4compile.model import moe as moe_module
 from v4compile.model.linear import Linear
 from v4compile.passes.manager import PassManager
 from v4compile.passes.moe_dispatch import MoeDispatch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from test_golden import _assert_in_band, _band  # noqa: E402
 
 
 class _Apply(nn.Module):
@@ -120,8 +117,12 @@ def test_golden_fp8_fp4_layers_are_rewritten_and_stay_in_the_golden_band(golden_
         assert (match.details["format"], match.details["pow2_scales"], match.details["experts"]) == ("fp4", True, 8)
     got, want, cases = golden_run["got"], golden_run["want"], golden_run["cases"]
     assert F.cosine_similarity(got, want, dim=-1).min() > 0.9999
-    _assert_in_band(_band(got, cases["case0.prefill_logits"][0], cases["case0.decode_logits"][0]),
-                    "tiny-fp8-fp4 case0 (first sequence) with moe_dispatch")
+    official, official_decode = cases["case0.prefill_logits"][0], cases["case0.decode_logits"][0]
+    band = Agreement.of(got, official)
+    # six rows: one where the official model's own two paths disagree counts either answer
+    top = got.argmax(-1)
+    agree = ((top == official.argmax(-1)) | (top == official_decode.argmax(-1))).float().mean()
+    assert band.median_cos >= 0.99 and band.mean_cos >= 0.97 and agree >= 0.8, (band, agree)
 
 
 def test_a_tensor_parallel_shard_sums_its_local_experts_before_the_all_reduce() -> None:

@@ -68,7 +68,11 @@ class Checkpoint:
         self._files = ExitStack()
         self.entries: dict[str, _Entry] = {}
         for f in files:
-            handle = self._files.enter_context(safe_open(str(f), framework="pt"))
+            try:
+                handle = self._files.enter_context(safe_open(str(f), framework="pt"))
+            except Exception as exc:  # safetensors raises its own error type for truncated or foreign files
+                self._files.close()
+                raise CheckpointError(f"{f} is not a readable safetensors file: {exc}") from None
             for key in handle.keys():
                 name = official_name(key)
                 if name in self.entries:

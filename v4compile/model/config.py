@@ -77,8 +77,25 @@ class V4Config:
     index_ties: str = "lowest"
 
     def __post_init__(self) -> None:
+        self._check_types()
         self.compress_ratios = [int(r) for r in self.compress_ratios]
         self.validate()
+
+    def _check_types(self) -> None:
+        """Raises ConfigError naming the first key whose value has the wrong JSON type."""
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), str(f.type)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+                  "float": number,
+                  "str": isinstance(value, str),
+                  "str | None": value is None or isinstance(value, str),
+                  "list[int]": isinstance(value, (list, tuple))
+                  and all(isinstance(v, int) and not isinstance(v, bool) for v in value)}.get(kind, True)
+            if not ok:
+                want = {"int": "an integer", "float": "a number", "str": "a string", "str | None": "a string or null",
+                        "list[int]": "a list of integers"}[kind]
+                raise ConfigError(f"config key {f.name!r} must be {want}, got {value!r} ({type(value).__name__})")
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -99,8 +116,16 @@ class V4Config:
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config.json at {path}")
-        with path.open() as f:
-            return cls.from_dict(json.load(f), **overrides)
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a JSON object of config keys, got {type(data).__name__}")
+        try:
+            return cls.from_dict(data, **overrides)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> V4Config:
@@ -113,6 +138,8 @@ class V4Config:
         base = dict(PRESETS[name])
         if "n_layers" in overrides and "compress_ratios" not in overrides:
             n, n_mtp = overrides["n_layers"], overrides.get("n_mtp_layers", base["n_mtp_layers"])
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ConfigError(f"n_layers must be an integer of at least 1, got {n!r}")
             main = base["compress_ratios"][: base["n_layers"]]
             if n > len(main):
                 raise ConfigError(f"preset {name!r} has {len(main)} layers; cannot make {n}")
@@ -146,6 +173,9 @@ class V4Config:
     # ----------------------------------------------------------------- validation
     def validate(self) -> None:
         """Raises ConfigError naming the first inconsistent value."""
+        if self.n_layers < 1 or self.n_mtp_layers < 0:
+            raise ConfigError(f"n_layers must be at least 1 and n_mtp_layers at least 0, got n_layers {self.n_layers}, "
+                              f"n_mtp_layers {self.n_mtp_layers}")
         n_expected = self.n_layers + self.n_mtp_layers
         if len(self.compress_ratios) != n_expected:
             raise ConfigError(
