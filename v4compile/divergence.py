@@ -80,7 +80,8 @@ class DivergenceReport:
 
 @contextmanager
 def recording(model: nn.Module) -> Iterator[list[tuple[str, object]]]:
-    """Records (name, output) of every module method in ``RECORDED_METHODS`` called inside the block."""
+    """Records (name, a copy of the output) of every module method in ``RECORDED_METHODS`` called inside the
+    block."""
     records: list[tuple[str, object]] = []
     calls: Counter[str] = Counter()
     patched: list[tuple[nn.Module, str]] = []
@@ -89,7 +90,7 @@ def recording(model: nn.Module) -> Iterator[list[tuple[str, object]]]:
         def recorded(*args: object, **kwargs: object) -> object:
             out = method(*args, **kwargs)
             calls[name] += 1
-            records.append((name if calls[name] == 1 else f"{name}#{calls[name] - 1}", out))
+            records.append((name if calls[name] == 1 else f"{name}#{calls[name] - 1}", _snapshot(out)))
             return out
         return recorded
 
@@ -104,6 +105,15 @@ def recording(model: nn.Module) -> Iterator[list[tuple[str, object]]]:
     finally:
         for module, method in patched:
             delattr(module, method)
+
+
+def _snapshot(out: object) -> object:
+    """A copy of a method's output as it is now: outputs can be views of a cache that later calls update."""
+    if isinstance(out, torch.Tensor):
+        return out.detach().clone()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_snapshot(o) for o in out)
+    return out
 
 
 def _flatten(name: str, out: object) -> list[tuple[str, torch.Tensor]]:
@@ -126,7 +136,7 @@ def _compare(name: str, a: torch.Tensor, b: torch.Tensor) -> Component:
         sets = (rows_a.sort(-1).values != rows_b.sort(-1).values).any(-1).float().mean().item()
         order = (rows_a != rows_b).any(-1).float().mean().item()
         return Component(name, "choices", shape, equal, rows_differ=sets, order_differs=order)
-    a64, b64 = a.detach().double(), b.detach().double()
+    a64, b64 = a.double(), b.double()
     same = torch.equal(a, b) or bool(((a64 == b64) | (a64.isnan() & b64.isnan())).all())
     finite = a64.isfinite() & b64.isfinite()
     diff = (a64 - b64).abs()[finite]

@@ -8,7 +8,6 @@ band is the golden README's: how far the official model moves when only the batc
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,17 +122,12 @@ class GoldenScore:
                 "  mtp cos " + ", ".join(f"{c:.4f}" for c in self.mtp_cos)]
 
 
-Forward = Callable[[torch.Tensor], torch.Tensor]
-
-
-def prefill_rows(model: DeepSeekV4, case: GoldenCase, hidden_states: Forward | None = None) -> torch.Tensor:
+def prefill_rows(model: DeepSeekV4, case: GoldenCase) -> torch.Tensor:
     """[B, n, V]: row i from a prefill of the first ``prefill_len + i`` tokens (all of the case's sequences in one
-    batch, as the official model ran them), its last position's logits. ``hidden_states`` replaces the model's
-    (an optimized model's compiled entry point)."""
-    run = hidden_states or model.hidden_states
+    batch, as the official model ran them), its last position's logits."""
     n, ids = case.prefill_logits.shape[1], case.ids.to(model.embed.weight.device)
     with torch.no_grad():
-        rows = [model.logits(run(ids[:, : case.prefill_len + i]), last=True) for i in range(n)]
+        rows = [model.logits(model.hidden_states(ids[:, : case.prefill_len + i]), last=True) for i in range(n)]
     return torch.stack(rows, dim=1).cpu()
 
 

@@ -22,6 +22,20 @@ def _alternating(first: list[int], n_layers: int, n_mtp: int) -> list[int]:
     return first + rest + [0] * n_mtp
 
 
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_JSON_TYPES: dict[str, tuple[Any, str]] = {
+    "int": (_integer, "an integer"),
+    "float": (lambda v: _integer(v) or isinstance(v, float), "a number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "str | None": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "list[int]": (lambda v: isinstance(v, (list, tuple)) and all(_integer(x) for x in v), "a list of integers"),
+}
+"""Per field annotation of ``V4Config``: the check of a value and what it must be."""
+
+
 @dataclass
 class V4Config:
     """Every key of the official inference ``config.json`` plus two settings, ``max_seq_len`` and ``index_ties``.
@@ -84,17 +98,9 @@ class V4Config:
     def _check_types(self) -> None:
         """Raises ConfigError naming the first key whose value has the wrong JSON type."""
         for f in dataclasses.fields(self):
-            value, kind = getattr(self, f.name), str(f.type)
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            ok = {"int": isinstance(value, int) and not isinstance(value, bool),
-                  "float": number,
-                  "str": isinstance(value, str),
-                  "str | None": value is None or isinstance(value, str),
-                  "list[int]": isinstance(value, (list, tuple))
-                  and all(isinstance(v, int) and not isinstance(v, bool) for v in value)}.get(kind, True)
-            if not ok:
-                want = {"int": "an integer", "float": "a number", "str": "a string", "str | None": "a string or null",
-                        "list[int]": "a list of integers"}[kind]
+            value = getattr(self, f.name)
+            check, want = _JSON_TYPES.get(str(f.type), (lambda v: True, ""))
+            if not check(value):
                 raise ConfigError(f"config key {f.name!r} must be {want}, got {value!r} ({type(value).__name__})")
 
     # ----------------------------------------------------------------- construction
