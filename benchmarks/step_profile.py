@@ -1,0 +1,137 @@
+"""The optimized whole step against its floor, with a per-category profile (H200).
+
+One phase per process (``--phase "decode b16"`` or ``--phase "prefill 8192"``) on the slice of ``headline.py``:
+compiles ``v4compile.optimize``, replays decode from a CUDA graph, profiles ``--reps`` steps with torch.profiler
+and sorts the GPU kernel time into categories (dense GEMM, MoE, attention, compressor, top-k, mHC, indexer,
+other). The floor: decode reads every non-routed weight byte, the routed experts that ``batch`` tokens are
+expected to choose (``E * (1 - (1 - k/E)^batch)`` per layer) and the KV the step attends to, over the measured copy
+rate; prefill is its matmul FLOPs over the measured bf16 tensor-core rate. ``--turn`` / ``--turns`` let
+several phases compile at once and profile one at a time (each waits for the file of its turn)::
+
+    PYTHONPATH=$PWD python3 benchmarks/step_profile.py --phase "decode b1" --experts 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from headline import build_slice, fill_cache
+from kernels import graphed
+
+import v4compile
+
+COPY_RATE = 4.25e12  # bytes/s, device-to-device copy measured on the H200 (shared/device/README.md)
+BF16_RATE = 790e12  # FLOP/s, bf16 dense matmul measured there
+CATEGORIES = (("MoE", ("moe",)), ("attention", ("sparse_attention", "attention")), ("compressor", ("compressor",)),
+              ("top-k", ("radix", "topk", "sort")), ("mHC", ("mhc",)), ("indexer", ("indexer",)),
+              ("dense GEMM", ("gemm", "gemv", "matmul", "_mm", "cutlass", "xmma", "splitk")))
+
+
+def category(kernel: str) -> str:
+    """The category of a GPU kernel by its name."""
+    name = kernel.lower()
+    return next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
+
+
+def _expert_bytes(model: v4compile.DeepSeekV4) -> tuple[int, int]:
+    """(bytes of every routed expert of the model, bytes of the other weights a step reads: all but the
+    embedding, of which a step reads only its tokens' rows)."""
+    sizes = {n: t.numel() * t.element_size() for n, t in model.state_dict().items() if not n.startswith("embed")}
+    routed = sum(b for n, b in sizes.items() if ".experts." in n)
+    return routed, sum(sizes.values()) - routed
+
+
+def decode_floor(model: v4compile.DeepSeekV4, batch: int, context: int) -> float:
+    """Seconds: the bytes a decode step must read over the copy rate."""
+    c = model.config
+    routed, rest = _expert_bytes(model)
+    chosen = c.n_routed_experts * (1 - (1 - c.n_activated_experts / c.n_routed_experts) ** batch)
+    experts = routed * chosen / c.n_routed_experts
+    kv = 0
+    for ratio in c.layer_ratios:
+        kv += c.window_size * c.head_dim * 2
+        if ratio == 4:
+            kv += min(c.index_topk, context // 4) * c.head_dim * 2 + context // 4 * c.index_head_dim * 2
+        elif ratio == 128:
+            kv += context // 128 * c.head_dim * 2
+    return (rest + experts + batch * kv) / COPY_RATE
+
+
+def prefill_floor(model: v4compile.DeepSeekV4, tokens: int) -> float:
+    """Seconds: the prefill's matmul FLOPs (weights once per token, routed experts k times, attention over the
+    window and the selected entries) over the bf16 tensor-core rate."""
+    c = model.config
+    routed, _ = _expert_bytes(model)
+    params = sum(p.numel() * (2 if p.dtype == torch.int8 else 1) for n, p in model.state_dict().items()
+                 if n.endswith("weight") and ".experts." not in n and "embed" not in n)
+    expert_params = sum(p.numel() * (2 if p.dtype == torch.int8 else 1) for n, p in model.state_dict().items()
+                        if ".experts." in n and n.endswith("weight"))
+    flops = 2 * tokens * (params + expert_params * c.n_activated_experts / c.n_routed_experts)
+    for ratio in c.layer_ratios:
+        keys = c.window_size + (min(c.index_topk, tokens // 4) if ratio == 4 else tokens // 128 if ratio else 0)
+        flops += 4 * tokens * keys * c.n_heads * c.head_dim
+    return flops / BF16_RATE
+
+
+def main() -> None:
+    """Profiles one phase and prints one JSON row."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phase", default="decode b1")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--experts", type=int, default=None)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--turn", type=int, default=0)
+    parser.add_argument("--turns", default="", help="folder of turn files (empty: profile at once)")
+    args = parser.parse_args()
+    decode = args.phase.startswith("decode")
+    size = int(args.phase.split()[-1].removeprefix("b"))
+    model = build_slice(args.layers, max(args.context, size) + 64, args.small, args.experts, args.device)
+    optimized = v4compile.optimize(model)
+    with torch.no_grad():
+        if decode:
+            cache = model.new_cache(size, args.context + 64)
+            fill_cache(cache, size)
+            ids = torch.randint(0, model.config.vocab_size, (size, 1), device=args.device)
+            positions = torch.full((size,), args.context, device=args.device)
+            optimized.decode_step(ids, positions, cache)
+            step = graphed(lambda: optimized.decode_step(ids, positions, cache))
+            floor = decode_floor(model, size, args.context)
+        else:
+            ids = torch.randint(0, model.config.vocab_size, (1, size), device=args.device)
+            cache = model.new_cache(1, size + 64)
+            optimized(ids, cache=cache)
+            step = lambda: optimized(ids, cache=cache)  # noqa: E731
+            floor = prefill_floor(model, size)
+        if args.turns:
+            while not (Path(args.turns) / f"turn{args.turn}").exists():
+                time.sleep(0.5)
+        step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.reps):
+                step()
+            torch.cuda.synchronize()
+    per_category: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0.0))
+        if us and event.key and not event.key.startswith(("ProfilerStep", "cudaGraph")):
+            per_category[category(event.key)] = per_category.get(category(event.key), 0.0) + us / args.reps
+    ms = sum(per_category.values()) / 1e3
+    row = {"phase": args.phase, "ms": round(ms, 3), "floor_ms": round(floor * 1e3, 3),
+           "x_floor": round(ms / (floor * 1e3), 2),
+           "tokens_per_s": round(size / (ms / 1e3), 1),
+           "categories_ms": {k: round(v / 1e3, 3) for k, v in sorted(per_category.items(), key=lambda kv: -kv[1])}}
+    print(json.dumps(row))
+    if args.turns:
+        (Path(args.turns) / f"turn{args.turn + 1}").touch()
+
+
+if __name__ == "__main__":
+    main()
