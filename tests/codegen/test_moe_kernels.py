@@ -1,4 +1,4 @@
-"""The MoE dispatch kernel against the model's dense expert loop on random inputs (CPU: Triton interpreter).
+"""The MoE dispatch kernel against the model's routed experts on random inputs (CPU: Triton interpreter).
 
 Tolerance: the kernel's products are exact (e4m3/e2m1 times powers of two, and bf16, are exact in fp32) and it
 rounds where the model rounds, so only the fp32 summation order of each dot differs. That noise flips a bf16
@@ -10,42 +10,41 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from v4compile.codegen import ops, reference
 from v4compile.codegen.triton import moe
 from v4compile.model import quant
 from v4compile.model.init import random_tensors
-from v4compile.model.moe import Expert
+from v4compile.model.moe import RoutedExperts
 
 DIM, INTER, EXPERTS, TOP_K, LIMIT = 256, 128, 6, 2, 10.0
 
 
-def make_experts(fmt: str, pow2: bool, n: int = EXPERTS, dim: int = DIM, inter: int = INTER,
-                 seed: int = 0) -> nn.ModuleList:
-    """``n`` of the model's experts with the model's seeded random init in format ``fmt``."""
-    experts = nn.ModuleList(Expert(dim, inter, fmt, pow2, LIMIT) for _ in range(n))
+def make_experts(fmt: str, pow2: bool, n: int = EXPERTS, dim: int = DIM, inter: int = INTER, seed: int = 0,
+                 first: int = 0) -> RoutedExperts:
+    """``n`` of the model's routed experts with the model's seeded random init in format ``fmt``."""
+    experts = RoutedExperts(n, first, dim, inter, fmt, pow2, LIMIT)
     state = experts.state_dict()
     with torch.no_grad():
         for name, value in random_tensors(experts, seed):
-            state[name].copy_(value)
+            e, rest = name.split(".", 1)
+            state[rest][int(e)].copy_(value)
     return experts
 
 
-def weight_lists(experts: nn.ModuleList, fmt: str) -> list[list[torch.Tensor]]:
-    """The op's w1, w3, w2, s1, s3, s2 lists (scales empty for bf16)."""
-    lists = [[getattr(e, w).weight for e in experts] for w in ("w1", "w3", "w2")]
-    return lists + [[getattr(e, w).scale for e in experts] if fmt != "bf16" else [] for w in ("w1", "w3", "w2")]
+def weights_of(experts: RoutedExperts) -> list[torch.Tensor | None]:
+    """The op's w1, w3, w2, s1, s3, s2 (scales None for bf16)."""
+    layers = (experts.w1, experts.w3, experts.w2)
+    return [w.weight for w in layers] + [w.scale for w in layers]
 
 
 def routing(tokens: int, n_experts: int, k: int, seed: int,
             allowed: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Duplicate-free top-k ids [T, k] among ``allowed`` experts and their combine matrix [T, n_experts]."""
+    """Duplicate-free top-k ids [T, k] among ``allowed`` experts and their routing weights [T, k]."""
     gen = torch.Generator().manual_seed(seed)
     allowed_t = torch.tensor(allowed if allowed is not None else range(n_experts))
     ids = allowed_t[torch.rand(tokens, len(allowed_t), generator=gen).argsort(-1)[:, :k]]
-    weights = torch.rand(tokens, k, generator=gen) + 0.05
-    return torch.zeros(tokens, n_experts).scatter(1, ids, weights), ids
+    return torch.rand(tokens, k, generator=gen) + 0.05, ids
 
 
 def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -56,25 +55,25 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got == want).float().mean() >= 0.99
 
 
-def _run(experts: nn.ModuleList, fmt: str, pow2: bool, x: torch.Tensor, combine: torch.Tensor, ids: torch.Tensor,
+def _run(experts: RoutedExperts, fmt: str, pow2: bool, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
          first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (x, combine, ids, first, *weight_lists(experts, fmt), fmt, pow2, LIMIT)
+    args = (x, weights, ids, first, *weights_of(experts), fmt, pow2, LIMIT)
     with torch.no_grad():
         return ops.moe_experts(*args, "triton"), reference.moe_experts(*args)
 
 
 @pytest.fixture(scope="module")
-def expert_sets() -> dict[tuple[str, bool], nn.ModuleList]:
+def expert_sets() -> dict[tuple[str, bool], RoutedExperts]:
     return {key: make_experts(*key) for key in (("fp4", True), ("fp8", False), ("bf16", False))}
 
 
 @pytest.mark.parametrize(("fmt", "pow2", "tokens"), [
     ("fp4", True, 1), ("fp4", True, 33), ("fp8", False, 6), ("bf16", False, 1), ("bf16", False, 17),
 ])
-def test_moe_kernel_matches_the_dense_experts(expert_sets: dict, fmt: str, pow2: bool, tokens: int) -> None:
+def test_moe_kernel_matches_the_models_experts(expert_sets: dict, fmt: str, pow2: bool, tokens: int) -> None:
     x = (torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(tokens)) * 2).bfloat16()
-    combine, ids = routing(tokens, EXPERTS, TOP_K, seed=tokens)
-    got, want = _run(expert_sets[(fmt, pow2)], fmt, pow2, x, combine, ids)
+    weights, ids = routing(tokens, EXPERTS, TOP_K, seed=tokens)
+    got, want = _run(expert_sets[(fmt, pow2)], fmt, pow2, x, weights, ids)
     assert_matches(got, want)
 
 
@@ -82,44 +81,38 @@ def test_experts_without_tokens_and_another_ranks_experts(expert_sets: dict) -> 
     """Only experts 1, 2 and 5 are chosen (the rest get no tokens); a rank holding experts 3..5 (first=3) sums
     its own experts' terms only, as the model's shard does before its all-reduce."""
     x = torch.randn(19, DIM, generator=torch.Generator().manual_seed(7)).bfloat16()
-    combine, ids = routing(19, EXPERTS, TOP_K, seed=7, allowed=[1, 2, 5])
+    weights, ids = routing(19, EXPERTS, TOP_K, seed=7, allowed=[1, 2, 5])
     experts = expert_sets[("fp4", True)]
-    assert_matches(*_run(experts, "fp4", True, x, combine, ids))
-    local = nn.ModuleList(list(experts)[3:])
-    got, want = _run(local, "fp4", True, x, combine, ids, first=3)
+    assert_matches(*_run(experts, "fp4", True, x, weights, ids))
+    local = make_experts("fp4", True, n=3, first=3)
+    got, want = _run(local, "fp4", True, x, weights, ids, first=3)
     assert_matches(got, want)
     assert (got[(ids >= 3).sum(-1) == 0] == 0).all()
 
 
-def test_repeated_ids_count_once_like_the_combine_matrix(expert_sets: dict) -> None:
-    """A hash table may name an expert twice for a token; the dense loop then runs it once."""
+def test_repeated_ids_count_once(expert_sets: dict) -> None:
+    """A hash table may name an expert twice for a token; the model then runs it once."""
     x = torch.randn(9, DIM, generator=torch.Generator().manual_seed(3)).bfloat16()
-    combine, ids = routing(9, EXPERTS, 3, seed=3)
+    weights, ids = routing(9, EXPERTS, 3, seed=3)
     ids[::2, 2] = ids[::2, 0]
-    combine = torch.zeros_like(combine).scatter(1, ids, torch.rand(9, 3) + 0.05)
-    assert_matches(*_run(expert_sets[("bf16", False)], "bf16", False, x, combine, ids))
+    weights[::2, 2] = weights[::2, 0]
+    got, want = _run(expert_sets[("bf16", False)], "bf16", False, x, weights, ids)
+    assert_matches(got, want)
+    once, _ = _run(expert_sets[("bf16", False)], "bf16", False, x[::2], weights[::2, :2], ids[::2, :2])
+    torch.testing.assert_close(got[::2], once, rtol=0, atol=0)
 
 
 def test_the_gpu_formulation_runs_under_the_interpreter(expert_sets: dict) -> None:
     """tl.dot (the GPU's path) instead of the interpreter's broadcast product: the same results."""
     x = torch.randn(3, DIM, generator=torch.Generator().manual_seed(5)).bfloat16()
-    combine, ids = routing(3, EXPERTS, TOP_K, seed=5)
+    weights, ids = routing(3, EXPERTS, TOP_K, seed=5)
     experts = expert_sets[("fp4", True)]
     config = {**moe.launch_config(6, EXPERTS, 3, DIM, INTER, cuda=False), "tl_dot": True, "BM": 16}
+    args = (x, weights, ids, 0, *weights_of(experts), "fp4", True, LIMIT)
     with torch.no_grad():
-        got = moe.moe_experts(x, combine, ids, 0, *weight_lists(experts, "fp4"), "fp4", True, LIMIT, config=config)
-        want = reference.moe_experts(x, combine, ids, 0, *weight_lists(experts, "fp4"), "fp4", True, LIMIT)
+        got = moe.moe_experts(*args, config=config)
+        want = reference.moe_experts(*args)
     assert_matches(got, want)
-
-
-def test_offset_table_is_cached_by_data_pointers(expert_sets: dict) -> None:
-    experts = expert_sets[("fp4", True)]
-    groups = weight_lists(experts, "fp4")
-    table, align = moe.offset_table(groups)
-    again, _ = moe.offset_table(weight_lists(experts, "fp4"))
-    assert again is table and table.dtype == torch.int64 and table.shape == (6 * EXPERTS,)
-    assert align in (1, 2, 4, 8, 16) and (table[:EXPERTS] % align == 0).all()
-    assert table[0] == 0 and table[EXPERTS] == 0
 
 
 @pytest.mark.parametrize("pow2", [True, False])

@@ -12,7 +12,7 @@ import torch
 
 from v4compile.codegen import ops
 from v4compile.model.mhc import hc_post, hc_pre
-from v4compile.model.moe import Expert
+from v4compile.model.moe import RoutedExperts
 
 
 def test_padded_sparse_attention_fp64_gradcheck() -> None:
@@ -52,21 +52,21 @@ def test_mhc_pre_and_post_gradients_match_the_model() -> None:
         torch.testing.assert_close(g.float(), w.float(), rtol=1e-3, atol=1e-4)
 
 
-def test_moe_experts_gradients_match_the_dense_loop() -> None:
+def test_moe_experts_gradients_match_the_model() -> None:
     torch.manual_seed(3)
     dim, inter, n_experts, tokens = 64, 32, 4, 5
-    experts = [Expert(dim, inter, "bf16", False, 10.0) for _ in range(n_experts)]
-    for e in experts:
-        for lin in (e.w1, e.w2, e.w3):
-            lin.weight.data.normal_(std=lin.in_features ** -0.5)
+    experts = RoutedExperts(n_experts, 0, dim, inter, "bf16", False, 10.0)
+    for lin in (experts.w1, experts.w2, experts.w3):
+        lin.weight.data.normal_(std=lin.in_features ** -0.5)
     x = torch.randn(tokens, dim).bfloat16().requires_grad_()
     ids = torch.stack([torch.randperm(n_experts)[:2] for _ in range(tokens)])
-    combine = torch.zeros(tokens, n_experts).scatter(1, ids, torch.rand(tokens, 2) + 0.1).requires_grad_()
-    dense = sum(e(x, combine[:, i : i + 1]).float() for i, e in enumerate(experts))
-    weights = [[getattr(e, w).weight for e in experts] for w in ("w1", "w3", "w2")]
-    fused = ops.moe_experts(x, combine, ids, 0, *weights, [], [], [], "bf16", False, 10.0, "triton")
-    params = [x, combine, experts[0].w1.weight, experts[3].w2.weight]
-    want, got = _grads((dense,), tuple(params), 4), _grads((fused,), tuple(params), 4)
+    weights = (torch.rand(tokens, 2) + 0.1).requires_grad_()
+    model = experts(x, weights, ids)
+    layers = (experts.w1, experts.w3, experts.w2)
+    fused = ops.moe_experts(x, weights, ids, 0, *(w.weight for w in layers), None, None, None, "bf16", False, 10.0,
+                            "triton")
+    params = (x, weights, experts.w1.weight, experts.w2.weight)
+    want, got = _grads((model,), params, 4), _grads((fused,), params, 4)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-3)
 

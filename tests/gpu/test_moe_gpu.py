@@ -1,4 +1,4 @@
-"""The MoE dispatch kernel on the GPU against the model's dense experts: every launch configuration (decode
+"""The MoE dispatch kernel on the GPU against the model's routed experts: every launch configuration (decode
 rows, mid-size and prefill tiles), FP4/FP8/bf16 weights, CUDA-graph capture and repeatability.
 
 Tolerance: the products are exact and only the fp32 summation order differs, but at these sizes that noise
@@ -10,45 +10,42 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from v4compile.codegen import ops, reference
 from v4compile.codegen.triton import moe
 from v4compile.model import quant
-from v4compile.model.moe import Expert
+from v4compile.model.moe import RoutedExperts
 
 pytestmark = pytest.mark.gpu
 
 LIMIT = 10.0
 
 
-def gpu_experts(n: int, dim: int, inter: int, fmt: str, pow2: bool, seed: int = 0) -> nn.ModuleList:
-    """The model's experts on the GPU, filled with the model's init scheme (normal / sqrt(in), quantized)."""
-    experts = nn.ModuleList(Expert(dim, inter, fmt, pow2, LIMIT) for _ in range(n)).cuda()
+def gpu_experts(n: int, dim: int, inter: int, fmt: str, pow2: bool, seed: int = 0, first: int = 0) -> RoutedExperts:
+    """The model's routed experts on the GPU, filled with the model's init scheme (normal / sqrt(in), quantized)."""
+    experts = RoutedExperts(n, first, dim, inter, fmt, pow2, LIMIT).cuda()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     with torch.no_grad():
-        for e in experts:
-            for layer in (e.w1, e.w3, e.w2):
+        for layer in (experts.w1, experts.w3, experts.w2):
+            for e in range(n):
                 w = torch.randn(layer.out_features, layer.in_features, device="cuda", generator=gen)
                 w /= layer.in_features**0.5
                 if fmt == "bf16":
-                    layer.weight.copy_(w)
+                    layer.weight[e].copy_(w)
                 else:
                     q, s = (quant.quantize_fp4_weight if fmt == "fp4" else quant.quantize_fp8_weight)(w)
-                    layer.weight.copy_(q)
-                    layer.scale.copy_(s)
+                    layer.weight[e].copy_(q)
+                    layer.scale[e].copy_(s)
     return experts
 
 
-def op_args(experts: nn.ModuleList, fmt: str, pow2: bool, x: torch.Tensor, n_total: int, top_k: int,
+def op_args(experts: RoutedExperts, fmt: str, pow2: bool, x: torch.Tensor, n_total: int, top_k: int,
             first: int = 0, seed: int = 0) -> tuple:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     ids = torch.rand(x.shape[0], n_total, device="cuda", generator=gen).argsort(-1)[:, :top_k]
-    combine = torch.zeros(x.shape[0], n_total, device="cuda").scatter(
-        1, ids, torch.rand(ids.shape, device="cuda", generator=gen) + 0.05)
-    lists = [[getattr(e, w).weight for e in experts] for w in ("w1", "w3", "w2")]
-    scales = [[getattr(e, w).scale for e in experts] if fmt != "bf16" else [] for w in ("w1", "w3", "w2")]
-    return (x, combine, ids, first, *lists, *scales, fmt, pow2, LIMIT)
+    weights = torch.rand(ids.shape, device="cuda", generator=gen) + 0.05
+    layers = (experts.w1, experts.w3, experts.w2)
+    return (x, weights, ids, first, *(w.weight for w in layers), *(w.scale for w in layers), fmt, pow2, LIMIT)
 
 
 def assert_close_normwise(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -72,7 +69,7 @@ def test_moe_kernel_matches_dense_experts_cuda(fmt: str, pow2: bool, tokens: int
 
 
 def test_a_ranks_local_experts_cuda() -> None:
-    experts = gpu_experts(8, 1024, 512, "fp4", True)
+    experts = gpu_experts(8, 1024, 512, "fp4", True, first=8)
     x = torch.randn(33, 1024, device="cuda").bfloat16()
     args = op_args(experts, "fp4", True, x, 16, 6, first=8)
     with torch.no_grad():
@@ -80,12 +77,12 @@ def test_a_ranks_local_experts_cuda() -> None:
 
 
 def test_cuda_graph_replay_and_repeatability() -> None:
-    """Captured after one warm-up call (which builds the offset table), the replay follows new inputs written
+    """Captured after one warm-up call (which builds the kernels), the replay follows new inputs written
     into the captured buffers; two runs are bitwise equal (no atomics)."""
     experts = gpu_experts(16, 1024, 512, "fp4", True)
     x = torch.randn(16, 1024, device="cuda").bfloat16()
-    x_in, combine, ids, first, *rest = op_args(experts, "fp4", True, x, 16, 6)
-    run = lambda: moe.moe_experts(x_in, combine, ids, first, *rest)  # noqa: E731
+    x_in, weights, ids, first, *rest = op_args(experts, "fp4", True, x, 16, 6)
+    run = lambda: moe.moe_experts(x_in, weights, ids, first, *rest)  # noqa: E731
     with torch.no_grad():
         first_run = run()
         assert torch.equal(first_run, run())
@@ -99,7 +96,7 @@ def test_cuda_graph_replay_and_repeatability() -> None:
             captured = run()
         x_in.copy_(torch.randn_like(x_in))
         ids.copy_(ids.flip(0))
-        combine.copy_(combine.flip(0))
+        weights.copy_(weights.flip(0))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, run())

@@ -149,10 +149,10 @@ def test_seeded_shard_equals_the_shard_of_the_seeded_model(tiny_model: v4compile
     _assert_equal_state(shard, tiny_model.shard(1, TP))
     attn, ffn = shard.layers[1].attn, shard.layers[1].ffn
     assert attn.n_heads == c.n_heads // TP and attn.indexer.n_heads == c.index_n_heads // TP
-    assert len(ffn.experts) == c.n_routed_experts // TP and ffn.first == c.n_routed_experts // TP
+    assert ffn.experts.n == c.n_routed_experts // TP and ffn.first == ffn.experts.first == c.n_routed_experts // TP
     assert torch.equal(shard.embed.weight, tiny_model.embed.weight[c.vocab_size // TP :])
     assert torch.equal(attn.wo_b.weight, tiny_model.layers[1].attn.wo_b.weight[:, c.o_groups * c.o_lora_rank // TP :])
-    assert torch.equal(ffn.experts[0].w1.weight, tiny_model.layers[1].ffn.experts[c.n_routed_experts // TP].w1.weight)
+    assert torch.equal(ffn.experts.w1.weight, tiny_model.layers[1].ffn.experts.w1.weight[c.n_routed_experts // TP :])
 
 
 def test_fp8_wo_a_is_dequantized_from_only_the_rows_a_rank_holds(golden_root: Path, tmp_path: Path,

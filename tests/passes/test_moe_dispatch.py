@@ -26,7 +26,6 @@ from v4compile.backend import make_backend
 from v4compile.codegen.registry import REGISTRY
 from v4compile.golden import Agreement
 from v4compile.model import moe as moe_module
-from v4compile.model.linear import Linear
 from v4compile.passes.manager import PassManager
 from v4compile.passes.moe_dispatch import MoeDispatch
 
@@ -160,45 +159,64 @@ def _near_misses(layer: nn.Module, dim: int, vocab: int) -> list[str]:
     return [m.reason for m in stats.near_misses]
 
 
-def test_an_expert_with_another_activation_is_a_near_miss(monkeypatch: pytest.MonkeyPatch,
-                                                          tiny_model: v4compile.DeepSeekV4) -> None:
-    def gelu_forward(self, x, weight=None):
-        """The model's expert with gelu in place of silu."""
-        h = F.gelu(self.w1(x).float().clamp(max=self.limit)) * self.w3(x).float().clamp(-self.limit, self.limit)
-        return self.w2((h if weight is None else weight * h).to(x.dtype))
+class _Variant(moe_module.RoutedExperts):
+    """The model's routed experts written with one change (``act``: the gate activation; ``descending``: each
+    token's experts summed from the highest id down; ``one_sided``: ``up`` clamped from above only)."""
 
-    monkeypatch.setattr(moe_module.Expert, "forward", gelu_forward)
-    config = tiny_model.config
-    [reason] = _near_misses(tiny_model.layers[2].ffn, config.dim, config.vocab_size)
-    assert reason == "term 0 of the expert sum: the gate activation is not silu (" + reason.split("(", 1)[1]
+    act, descending, one_sided = staticmethod(F.silu), False, False
 
-
-def test_experts_summed_out_of_order_are_a_near_miss(monkeypatch: pytest.MonkeyPatch,
-                                                     tiny_model: v4compile.DeepSeekV4) -> None:
-    def reversed_forward(self, x, input_ids, routing=None, layer=0):
-        """The model's MoE forward with the routed experts summed from the last to the first."""
-        flat = x.reshape(-1, self.dim)
-        weights, ids = self.route(x, input_ids)
-        combine = torch.zeros(flat.shape[0], self.n_experts, dtype=torch.float32, device=x.device)
-        combine = combine.scatter(1, ids, weights)
-        y = torch.zeros(flat.shape, dtype=torch.float32, device=x.device)
-        for e, expert in reversed(list(enumerate(self.experts, start=self.first))):
-            y = y + expert(flat, combine[:, e : e + 1]).float()
-        return (y + self.shared_experts(flat).float()).to(x.dtype).view(x.shape)
-
-    monkeypatch.setattr(moe_module.MoE, "forward", reversed_forward)
-    config = tiny_model.config
-    assert _near_misses(tiny_model.layers[2].ffn, config.dim, config.vocab_size) == [
-        "term 1 reads routing column 6, expected 8 (the experts must be consecutive)"]
+    def forward(self, x, weights, ids):
+        tokens, k = ids.shape
+        ids, order = ids.sort(dim=-1, stable=True, descending=self.descending)
+        weights = weights.gather(-1, order)
+        repeat = torch.cat([torch.zeros_like(ids[:, :1], dtype=torch.bool), ids[:, 1:] == ids[:, :-1]], dim=-1)
+        local = ids - self.first
+        held = (local >= 0) & (local < self.n) & ~repeat
+        experts, pairs = local.clamp(0, self.n - 1).flatten().sort(stable=True)
+        ends = torch.searchsorted(experts, torch.arange(1, self.n + 1, device=ids.device)).to(torch.int32)
+        rows = x[pairs // k]
+        pair_weights = torch.where(held, weights, 0).flatten()[pairs].unsqueeze(-1)
+        gate = self.w1(rows, ends).float().clamp(max=self.limit)
+        up = self.w3(rows, ends).float()
+        up = up.clamp(max=self.limit) if self.one_sided else up.clamp(-self.limit, self.limit)
+        h = pair_weights * (self.act(gate) * up)
+        out = self.w2(h.to(x.dtype), ends).float()
+        out = torch.zeros_like(out).index_copy(0, pairs, out).view(tokens, k, -1)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for j in range(k):
+            y = y + torch.where(held[:, j : j + 1], out[:, j], 0)
+        return y
 
 
-def test_an_expert_in_an_unsupported_format_is_a_near_miss(tiny_model: v4compile.DeepSeekV4) -> None:
+def _variant_reasons(tiny_model: v4compile.DeepSeekV4, **change: object) -> list[str]:
     layer = copy.deepcopy(tiny_model.layers[2].ffn)
-    w1 = layer.experts[3].w1
-    layer.experts[3].w1 = Linear(w1.in_features, w1.out_features, "fp32")
+    layer.experts.__class__ = type("Changed", (_Variant,), change)
+    return _near_misses(layer, tiny_model.config.dim, tiny_model.config.vocab_size)
+
+
+def test_the_variant_without_changes_matches(tiny_model: v4compile.DeepSeekV4) -> None:
+    """The near-miss fixture itself is the model's code: unchanged, it is rewritten."""
+    layer = copy.deepcopy(tiny_model.layers[2].ffn)
+    layer.experts.__class__ = _Variant
+    optimized = v4compile.optimize(layer, backend="reference", passes=["moe_dispatch"], inductor=False)
+    gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        layer.experts[3].w1.weight.copy_(w1.weight.float())
-    config = tiny_model.config
-    assert _near_misses(layer, config.dim, config.vocab_size) == [
-        "term 3 of the expert sum: w1: fp32 expert weights are not supported by the kernel (it takes "
-        "('fp4', 'fp8', 'bf16'))"]
+        optimized(torch.randn(1, 4, 128, generator=gen).bfloat16(), torch.randint(0, 512, (1, 4), generator=gen))
+    [stats] = _stats(optimized)
+    assert len(stats.matches) == 1 and stats.near_misses == []
+
+
+def test_an_expert_with_another_activation_is_a_near_miss(tiny_model: v4compile.DeepSeekV4) -> None:
+    [reason] = _variant_reasons(tiny_model, act=staticmethod(F.gelu))
+    assert reason.startswith("not the model's routed experts (bf16, 8 experts from 0, limit 10.0): expected "
+                             "aten.silu.default, found aten.gelu.default at "), reason
+
+
+def test_experts_summed_out_of_order_are_a_near_miss(tiny_model: v4compile.DeepSeekV4) -> None:
+    [reason] = _variant_reasons(tiny_model, descending=True)
+    assert "aten.sort.stable has argument True where the model's has None" in reason, reason
+
+
+def test_a_one_sided_clamp_is_a_near_miss(tiny_model: v4compile.DeepSeekV4) -> None:
+    [reason] = _variant_reasons(tiny_model, one_sided=True)
+    assert "aten.clamp" in reason and "-10.0" in reason, reason

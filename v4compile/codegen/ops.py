@@ -285,40 +285,19 @@ _reference_backward(mhc_post, "mhc_post")
 
 # ----------------------------------------------------------------------------- moe_experts
 @torch.library.custom_op("v4compile::moe_experts", mutates_args=())
-def moe_experts(x: torch.Tensor, combine: torch.Tensor, ids: torch.Tensor, first: int, w1: list[torch.Tensor],
-                w3: list[torch.Tensor], w2: list[torch.Tensor], s1: list[torch.Tensor], s3: list[torch.Tensor],
-                s2: list[torch.Tensor], fmt: str, pow2: bool, limit: float, backend: str) -> torch.Tensor:
-    """The routed experts' weighted sum [T, D] (fp32) for tokens x [T, D] (bf16): local expert i (global
-    ``first + i``, weights ``w1[i]``, ``w3[i]``, ``w2[i]`` with scales ``s*[i]`` unless ``fmt`` is bf16) on the
-    tokens whose ``ids`` [T, k] name it, weighted by ``combine`` [T, E] inside its clamped SwiGLU."""
-    return _run("moe_experts", backend, x, combine, ids, first, w1, w3, w2, s1, s3, s2, fmt, pow2, limit)
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first: int, w1: torch.Tensor,
+                w3: torch.Tensor, w2: torch.Tensor, s1: torch.Tensor | None, s3: torch.Tensor | None,
+                s2: torch.Tensor | None, fmt: str, pow2: bool, limit: float, backend: str) -> torch.Tensor:
+    """The routed experts' weighted sum [T, D] (fp32) for tokens x [T, D] (bf16): each token's experts ``ids``
+    [T, k] among the local ones ``first .. first+E-1`` (stacked weights ``w1``, ``w3`` [E, inter, .], ``w2``
+    [E, dim, .], scales ``s*`` unless ``fmt`` is bf16), with routing ``weights`` [T, k] inside the clamped SwiGLU;
+    a repeated id counts once, outputs are added in ascending expert order (``RoutedExperts.forward``)."""
+    return _run("moe_experts", backend, x, weights, ids, first, w1, w3, w2, s1, s3, s2, fmt, pow2, limit)
 
 
 @moe_experts.register_fake
-def _(x, combine, ids, first, w1, w3, w2, s1, s3, s2, fmt, pow2, limit, backend):
+def _(x, weights, ids, first, w1, w3, w2, s1, s3, s2, fmt, pow2, limit, backend):
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
-def _moe_setup(ctx, inputs, output):
-    x, combine, ids, first, w1, w3, w2, s1, s3, s2, fmt, pow2, limit, _ = inputs
-    ctx.save_for_backward(x, combine, ids, *w1, *w3, *w2, *s1, *s3, *s2)
-    ctx.args = (first, len(w1), len(s1), fmt, pow2, limit)
-
-
-def _moe_backward(ctx, grad):
-    # the reference body recomputed under autograd; the lists' gradients come back as lists
-    first, n, n_scales, fmt, pow2, limit = ctx.args
-    x, combine, ids, *rest = ctx.saved_tensors
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (x, combine, *rest[: 3 * n])]
-        weights = [leaves[2 + i * n : 2 + (i + 1) * n] for i in range(3)]
-        scales = [rest[3 * n + i * n_scales : 3 * n + (i + 1) * n_scales] for i in range(3)]
-        out = reference.moe_experts(leaves[0], leaves[1], ids, first, *weights, *scales, fmt, pow2, limit)
-        wanted = [t for t in leaves if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else [])
-    g = [next(grads) if t.requires_grad else None for t in leaves]
-    lists = [g[2 + i * n : 2 + (i + 1) * n] for i in range(3)]
-    return (g[0], g[1], None, None, *lists, *([None] * n_scales for _ in range(3)), None, None, None, None)
-
-
-moe_experts.register_autograd(_moe_backward, setup_context=_moe_setup)
+_reference_backward(moe_experts, "moe_experts")

@@ -11,7 +11,7 @@ from ..model.compressor import finish_entries, pool_blocks
 from ..model.indexer import index_scores as indexer_scores  # noqa: F401  (the op's reference body)
 from ..model.mhc import hc_post as mhc_post  # noqa: F401  (the op's reference body)
 from ..model.mhc import hc_pre as mhc_pre  # noqa: F401  (the op's reference body)
-from ..model.moe import Expert
+from ..model.moe import RoutedExperts
 from ..model.sparse_attention import sparse_attention  # noqa: F401  (the op's reference body)
 
 
@@ -67,22 +67,19 @@ def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool) -> tuple[torch.Tenso
 
 
 @lru_cache(maxsize=32)
-def _expert_template(dim: int, inter: int, fmt: str, pow2: bool, limit: float) -> Expert:
-    """The model's expert module on the meta device: its forward is applied to each expert's tensors."""
+def _experts_template(n: int, first: int, dim: int, inter: int, fmt: str, pow2: bool, limit: float) -> RoutedExperts:
+    """The model's routed-experts module on the meta device: its forward is applied to the op's tensors."""
     with torch.device("meta"):
-        return Expert(dim, inter, fmt, pow2, limit)
+        return RoutedExperts(n, first, dim, inter, fmt, pow2, limit)
 
 
-def moe_experts(x: torch.Tensor, combine: torch.Tensor, ids: torch.Tensor, first: int, w1: list[torch.Tensor],
-                w3: list[torch.Tensor], w2: list[torch.Tensor], s1: list[torch.Tensor], s3: list[torch.Tensor],
-                s2: list[torch.Tensor], fmt: str, pow2: bool, limit: float) -> torch.Tensor:
-    """The model's dense dispatch: local expert i (global ``first + i``) runs on every token x [T, D] weighted by
-    its combine column, summed in expert order in fp32. ``ids`` is unused (the zero columns carry it)."""
-    expert = _expert_template(x.shape[-1], w1[0].shape[0], fmt, pow2, limit)
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for i in range(len(w1)):
-        params = {"w1.weight": w1[i], "w3.weight": w3[i], "w2.weight": w2[i]}
-        if s1:
-            params.update({"w1.scale": s1[i], "w3.scale": s3[i], "w2.scale": s2[i]})
-        y = y + functional_call(expert, params, (x, combine[:, first + i : first + i + 1])).float()
-    return y
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first: int, w1: torch.Tensor,
+                w3: torch.Tensor, w2: torch.Tensor, s1: torch.Tensor | None, s3: torch.Tensor | None,
+                s2: torch.Tensor | None, fmt: str, pow2: bool, limit: float) -> torch.Tensor:
+    """The model's routed experts (``RoutedExperts.forward``) on the op's stacked weights."""
+    inter = w1.shape[1]
+    module = _experts_template(w1.shape[0], first, x.shape[-1], inter, fmt, pow2, limit)
+    params = {"w1.weight": w1, "w3.weight": w3, "w2.weight": w2}
+    if fmt != "bf16":
+        params.update({"w1.scale": s1, "w3.scale": s3, "w2.scale": s2})
+    return functional_call(module, params, (x, weights, ids))

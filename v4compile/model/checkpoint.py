@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -10,9 +11,11 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from . import quant
 from .config import V4Config
+from .moe import official_state
 from .parallel import Placement, TensorParallel, check_degree
 from .transformer import DeepSeekV4
 
@@ -160,7 +163,8 @@ def load(path: str | Path, *, device: torch.device | str | None = None, max_seq_
          index_ties: str | None = None, tp_rank: int = 0, tp_size: int = 1) -> DeepSeekV4:
     """Loads a model from a directory with ``config.json`` and ``*.safetensors`` (official or HF names).
 
-    Quantized weights stay quantized. Any missing, extra, mis-shaped or mis-typed tensor is a
+    Quantized weights stay quantized; each layer's routed experts (``experts.{e}.*`` on disk) are stacked into
+    one tensor a projection. Any missing, extra, mis-shaped or mis-typed tensor is a
     CheckpointError naming it (checked against the file headers before any weight is read).
     ``tp_rank``/``tp_size`` load the shard of one tensor-parallel rank, reading only the parts of the
     tensors it holds; a degree the config cannot be split by is a ConfigError (ValueError) naming the
@@ -179,9 +183,9 @@ def load(path: str | Path, *, device: torch.device | str | None = None, max_seq_
         model = DeepSeekV4(config, seed=None, tp_rank=tp_rank, tp_size=tp_size)
         checkpoint.fold_official_quirks(model.tp, config)
         whole = model if tp_size == 1 else DeepSeekV4(config, seed=None, device="meta")
-        expected = whole.state_dict()
+        expected = official_state(whole.state_dict())
         _check_against_model(checkpoint.entries, expected)
-        targets = model.state_dict()
+        targets = official_state(model.state_dict())
         with torch.no_grad():
             for name, want in expected.items():
                 place = model.tp.placement(name, tuple(want.shape), config)
@@ -189,3 +193,16 @@ def load(path: str | Path, *, device: torch.device | str | None = None, max_seq_
                     target = targets[place.name]
                     target.copy_(checkpoint.read(name, place).to(target.dtype))
     return model.to(device) if device is not None else model
+
+
+def save(model: DeepSeekV4, path: str | Path) -> None:
+    """Writes ``model`` (a single-process model) as a checkpoint directory ``load`` reads back: ``config.json``
+    and ``model.safetensors`` in the official names (each routed expert under ``experts.{e}.*``, unstacked)."""
+    if model.tp.size != 1:
+        raise CheckpointError(f"save writes a whole model; this is rank {model.tp.rank} of a tensor-parallel "
+                              f"group of {model.tp.size}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().cpu().contiguous() for name, t in official_state(model.state_dict()).items()}
+    (path / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    save_file(tensors, str(path / "model.safetensors"))

@@ -9,11 +9,12 @@ import torch
 from torch import nn
 
 from . import quant
-from .linear import Linear
+from .linear import GroupedLinear, Linear
+from .moe import RoutedExperts, official_state
 
 
 def random_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every randomly initialised tensor of ``model`` as (state-dict name, CPU value), in a fixed order drawn
+    """Every randomly initialised tensor of ``model`` as (checkpoint name, CPU value), in a fixed order drawn
     from one seeded generator; quantized formats are quantized. Only shapes are read, so ``model`` may live
     on the meta device (a tensor-parallel shard walks the whole model this way and keeps its parts)."""
     gen = torch.Generator().manual_seed(seed)
@@ -21,19 +22,26 @@ def random_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, torch.Ten
     def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
         return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
+    def linear(name: str, layer: Linear | GroupedLinear) -> Iterator[tuple[str, torch.Tensor]]:
+        w = normal((layer.out_features, layer.in_features), 1 / math.sqrt(layer.in_features))
+        if layer.fmt == "fp8":
+            q, s = quant.quantize_fp8_weight(w)
+        elif layer.fmt == "fp4":
+            q, s = quant.quantize_fp4_weight(w)
+        else:
+            q, s = w.to(layer.weight.dtype), None
+        yield f"{name}weight", q
+        if s is not None:
+            yield f"{name}scale", s
+
     for prefix, module in model.named_modules():
+        dot = "." if prefix else ""
         if isinstance(module, Linear):
-            w = normal((module.out_features, module.in_features), 1 / math.sqrt(module.in_features))
-            if module.fmt == "fp8":
-                q, s = quant.quantize_fp8_weight(w)
-            elif module.fmt == "fp4":
-                q, s = quant.quantize_fp4_weight(w)
-            else:
-                q, s = w.to(module.weight.dtype), None
-            dot = "." if prefix else ""
-            yield f"{prefix}{dot}weight", q
-            if s is not None:
-                yield f"{prefix}{dot}scale", s
+            yield from linear(f"{prefix}{dot}", module)
+        elif isinstance(module, RoutedExperts):
+            for e in range(module.n):
+                for w in ("w1", "w2", "w3"):
+                    yield from linear(f"{prefix}{dot}{e}.{w}.", getattr(module, w))
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         shape = tuple(p.shape)
@@ -62,7 +70,7 @@ def random_init(model: nn.Module, seed: int) -> None:
     A tensor-parallel shard (``model.tp.size > 1``) draws the whole model's values in the same order and keeps
     its part of each, so it equals the matching slices of the single-process model with the same seed."""
     tp = getattr(model, "tp", None)
-    targets = model.state_dict()
+    targets = official_state(model.state_dict())
     if tp is None or tp.size == 1:
         for name, value in random_tensors(model, seed):
             targets[name].copy_(value)

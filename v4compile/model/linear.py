@@ -78,3 +78,46 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}"
+
+
+class GroupedLinear(nn.Module):
+    """``n`` linear layers of one shape and format stacked (weight ``[n, ...]``, scale ``[n, ...]``): the routed
+    experts' projections. ``forward`` multiplies each group of rows by its own layer's weight, so the work and
+    the captured graph do not depend on how many layers there are."""
+
+    def __init__(self, n: int, in_features: int, out_features: int, fmt: WeightFormat,
+                 pow2_scales: bool = False) -> None:
+        super().__init__()
+        if fmt not in ("bf16", "fp8", "fp4"):
+            raise ValueError(f"grouped linear layers are bf16, FP8 or FP4, got {fmt!r}")
+        if fmt == "fp4" and in_features % quant.FP4_BLOCK:
+            raise ValueError(f"FP4 linear needs in_features divisible by {quant.FP4_BLOCK}, got {in_features}")
+        self.n, self.in_features, self.out_features = n, in_features, out_features
+        self.fmt, self.pow2_scales = fmt, pow2_scales
+        shapes = weight_shapes(fmt, in_features, out_features)
+        self.weight = nn.Parameter(torch.zeros(n, *shapes["weight"], dtype=WEIGHT_DTYPES[fmt]),
+                                   requires_grad=fmt == "bf16")
+        if "scale" in shapes:
+            self.register_buffer("scale", torch.zeros(n, *shapes["scale"], dtype=torch.float8_e8m0fnu))
+        else:
+            self.scale = None
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weights ``[n, out, in]`` as bf16: exact, since e4m3 and e2m1 values times power-of-two scales have
+        at most four significant bits."""
+        if self.fmt == "fp8":
+            return quant.dequant_fp8_weight(self.weight, self.scale).to(torch.bfloat16)
+        if self.fmt == "fp4":
+            return quant.dequant_fp4_weight(self.weight, self.scale).to(torch.bfloat16)
+        return self.weight
+
+    def forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Rows ``ends[e-1]:ends[e]`` of x [rows, in] through layer e (``ends`` [n] int32, ascending, the last
+        equal to rows), as bf16. Quantized formats simulate the activation's FP8 quantization first (bf16 holds
+        the result exactly); products are exact and accumulate in fp32, as the official FP8 kernels do."""
+        if self.fmt != "bf16":
+            x = quant.fp8_simulate(x, quant.FP8_ACT_BLOCK, self.pow2_scales)
+        return torch._grouped_mm(x.to(torch.bfloat16), self.dequantized_weight().transpose(-2, -1), offs=ends)
+
+    def extra_repr(self) -> str:
+        return f"n={self.n}, in={self.in_features}, out={self.out_features}, fmt={self.fmt}"

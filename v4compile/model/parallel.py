@@ -6,8 +6,9 @@ With ``size`` ranks, rank r holds part r of every split dimension:
   across ranks before the top-k, so every rank selects the same entries;
 - the grouped output projection is row-parallel: the local groups' ``wo_a`` rows and the matching
   input columns of ``wo_b``, whose partial outputs are all-reduced;
-- routed experts are sharded: rank r holds experts r*E/size .. (r+1)*E/size-1 (local names count
-  from 0); the partial MoE outputs are all-reduced, then the replicated shared expert is added;
+- routed experts are sharded: rank r holds experts r*E/size .. (r+1)*E/size-1 (rows of the stacked
+  expert tensors; per-expert checkpoint names map to local names counting from 0); the partial MoE
+  outputs are all-reduced, then the replicated shared expert is added;
 - embedding and output head are vocab-parallel: a masked local lookup plus an all-reduce, and
   local logits all-gathered along the vocabulary.
 Everything else (KV, compressors, mHC, norms, router, shared expert, MTP projections) is replicated.
@@ -44,6 +45,7 @@ _SPLIT_DIMS: tuple[tuple[re.Pattern[str], int], ...] = tuple((re.compile(p), d) 
     (r"\.attn\.wo_b\.(weight|scale)$", 1),
     (r"\.indexer\.wq_b\.(weight|scale)$", 0),
     (r"\.indexer\.weights_proj\.weight$", 0),
+    (r"\.ffn\.experts\.w[123]\.(weight|scale)$", 0),
 ))
 _EXPERT = re.compile(r"^(.*\.ffn\.experts\.)(\d+)(\..*)$")
 

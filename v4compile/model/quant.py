@@ -113,10 +113,11 @@ def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequant_fp8_weight(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """FP8 e4m3 ``[out, in]`` weight times its per-128x128-block e8m0 scale, as float32."""
-    out_f, in_f = weight.shape
+    """FP8 e4m3 ``[..., out, in]`` weight times its per-128x128-block e8m0 scale ``[..., out/128, in/128]``
+    (rounded up), as float32."""
+    out_f, in_f = weight.shape[-2:]
     s = e8m0_to_float(scale)
-    s = s.repeat_interleave(FP8_WEIGHT_BLOCK, 0)[:out_f].repeat_interleave(FP8_WEIGHT_BLOCK, 1)[:, :in_f]
+    s = s.repeat_interleave(FP8_WEIGHT_BLOCK, -2)[..., :out_f, :].repeat_interleave(FP8_WEIGHT_BLOCK, -1)[..., :in_f]
     return weight.float() * s
 
 
@@ -151,7 +152,7 @@ def float_to_fp4_codes(values: torch.Tensor) -> torch.Tensor:
 
 
 def dequant_fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Packed FP4 ``[out, in/2]`` weight times its per-32 e8m0 scale ``[out, in/32]``, as float32."""
+    """Packed FP4 ``[..., out, in/2]`` weight times its per-32 e8m0 scale ``[..., out, in/32]``, as float32."""
     values = fp4_codes_to_float(unpack_fp4(packed))
     return values * e8m0_to_float(scale).repeat_interleave(FP4_BLOCK, -1)
 

@@ -1,22 +1,20 @@
-"""``moe_dispatch``: the MoE's dense routed-expert loop becomes ``v4compile::moe_experts``, which computes only
-the chosen (token, expert) pairs (codegen/triton/moe.py).
+"""``moe_dispatch``: the model's routed experts (sorted (token, expert) pairs through stacked grouped projections)
+become ``v4compile::moe_experts``, one kernel pipeline over the chosen pairs (codegen/triton/moe.py).
 
-The model (model/moe.py) runs every local routed expert on every token with its routing weight, zero where
-not chosen: ``y = zeros; y = y + expert_e(x, combine[:, e:e+1]).float()`` for e = first, first+1, ... The
-pass starts at each add of an fp32 zeros tensor and a cast to fp32, follows the chain of adds and checks each
-term: ``to(w2(to(combine[:, c:c+1] * (silu(min(w1 x, L)) * clamp(w3 x, -L, L)), bf16)), fp32)``, where every
-Linear must equal the model's Linear in one weight format (matched against the model's code traced to ATen,
-so the activation's e4m3 simulation and the weight dequantization are exactly the model's), all terms read
-the same tokens and the same combine matrix at consecutive columns, and share one format. The chain ends at
-the first term without a routing-weight column (the shared expert at tp=1; at tp>1 the chain ends at the
-all-reduce). Every column of the combine matrix must belong to a matched term, and the matrix must be
-``scatter(zeros, 1, ids, weights)``: the kernel takes the ids.
+The model (model/moe.py ``RoutedExperts``) sorts each token's expert ids, masks repeats and other ranks' experts,
+sorts the pairs by expert, runs the clamped SwiGLU expert with ``torch._grouped_mm`` over the stacked weights and
+adds each token's outputs in ascending expert order. The pass starts at each ``index_copy`` whose source is a
+grouped matmul (the w2 outputs put back in pair order), follows its users to the end of the per-token sum, reads
+the weight format, expert count and shapes from the stacked weights, the first local expert from the id offset
+and the SwiGLU limit from the clamp, and binds the whole region against ``RoutedExperts.forward`` traced to ATen
+with those settings (both FP8 scale rules are tried): the model's own code is the pattern, so a match computes
+what the model computes and a near-miss names the first operation that differs.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -24,38 +22,14 @@ from torch import fx
 from torch.func import functional_call
 
 from ..codegen import ops
-from ..model.linear import WEIGHT_DTYPES, Linear, weight_shapes
+from ..model.linear import WEIGHT_DTYPES, weight_shapes
+from ..model.moe import RoutedExperts
 from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, locate, shape
 from .template import Template, bind, skip_noop_casts, trace
 
 aten = torch.ops.aten
-FORMATS = {torch.int8: "fp4", torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16", torch.float32: "fp32"}
-SUPPORTED = ("fp4", "fp8", "bf16")
-
-
-class _Unweighted(NoMatch):
-    """A term that is not scaled by a routing-weight column: it ends the chain of routed experts."""
-
-
-@dataclass
-class _Linear:
-    x: fx.Node
-    weight: fx.Node
-    scale: fx.Node | None
-    fmt: str
-    pow2: bool
-
-
-@dataclass
-class _Term:
-    x: fx.Node
-    combine: fx.Node
-    column: int
-    column_node: fx.Node
-    limit: float
-    w1: _Linear
-    w3: _Linear
-    w2: _Linear
+FORMATS = {torch.int8: "fp4", torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16"}
+_PROJECTIONS = ("w1", "w3", "w2")
 
 
 def _dtype(node: object) -> torch.dtype | None:
@@ -63,216 +37,147 @@ def _dtype(node: object) -> torch.dtype | None:
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
-def _cast(node: object, dtype: torch.dtype) -> fx.Node | None:
-    """The input of ``node`` when it is a real cast to ``dtype``, else None."""
-    if is_op(node, aten.to, aten._to_copy) and _dtype(node) == dtype and _dtype(node.args[0]) != dtype:
-        return node.args[0]
-    return None
+def _ancestors(node: fx.Node, limit: int = 400) -> list[fx.Node]:
+    """The nodes ``node`` is computed from, nearest first (a bounded walk: one MoE region has ~150 nodes)."""
+    seen, queue = {node}, [node]
+    for n in queue:
+        if len(queue) >= limit:
+            break
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                queue.append(a)
+    return queue[1:]
 
 
-def _leaves(node: fx.Node, limit: int = 256) -> list[fx.Node]:
-    """The graph inputs a weight expression is computed from (a bounded walk: weights depend on few nodes)."""
-    seen, stack, leaves = set(), [node], []
-    while stack and len(seen) < limit:
-        n = stack.pop()
-        if n in seen:
+def _stacked_weight(mm: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+    """The stacked weight input (and its e8m0 scale) of a grouped matmul's second operand."""
+    operand = mm.args[1]
+    leaves = [n for n in [operand, *_ancestors(operand, 64)] if n.op in ("placeholder", "get_attr")]
+    weights = [n for n in leaves if _dtype(n) in FORMATS and len(shape(n) or ()) == 3]
+    scales = [n for n in leaves if _dtype(n) == torch.float8_e8m0fnu]
+    if len(weights) != 1 or len(scales) > 1:
+        raise NoMatch(f"the grouped matmul at {locate(mm)} does not read one stacked bf16, FP8 or packed FP4 weight "
+                      "(with one e8m0 scale)")
+    return weights[0], scales[0] if scales else None
+
+
+def _sum_end(view: fx.Node) -> fx.Node:
+    """The last add of the per-token sum over the [tokens, top_k, dim] expert outputs ``view``: the adds that take
+    a term computed from one of its slots, the one whose users are none of them."""
+    terms = {u for select in view.users for u in select.users}
+    adds = [a for t in terms for a in t.users if is_op(a, aten.add)]
+    ends = [a for a in dict.fromkeys(adds) if not any(u in adds for u in a.users)]
+    if len(ends) != 1:
+        raise NoMatch(f"the expert outputs at {locate(view)} do not feed one per-token sum")
+    return ends[0]
+
+
+def _constant_after(nodes: list[fx.Node], op: object, position: int) -> list[object]:
+    """The numeric constants at argument ``position`` of the ``op`` calls among ``nodes``, in order (for ``sub``
+    only those subtracted from a sort's values: the expert ids minus the first local expert)."""
+    found = []
+    for n in nodes:
+        if not is_op(n, op) or len(n.args) <= position:
             continue
-        seen.add(n)
-        if n.op == "placeholder":
-            leaves.append(n)
-        stack.extend(a for a in n.all_input_nodes if a.op != "get_attr")
-    return leaves
+        value = n.args[position]
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        source = n.args[0]
+        if op is aten.sub and not (isinstance(source, fx.Node) and source.target is operator.getitem
+                                   and is_op(source.args[0], aten.sort)):
+            continue
+        found.append(value)
+    return found
 
 
 @lru_cache(maxsize=64)
-def _linear_template(fmt: str, pow2: bool, tokens: int, in_features: int, out_features: int) -> Template:
-    """The model's ``Linear.forward`` in one format, traced for a [tokens, in] bf16 input."""
+def _template(tokens: int, k: int, n: int, first: int, dim: int, inter: int, fmt: str, pow2: bool,
+              limit: float) -> Template:
+    """``RoutedExperts.forward`` with these settings traced for x [tokens, dim] bf16, weights/ids [tokens, k]."""
     with torch.device("meta"):
-        layer = Linear(in_features, out_features, fmt, pow2)
-    shapes = weight_shapes(fmt, in_features, out_features)
-    example = [torch.empty(tokens, in_features, dtype=torch.bfloat16),
-               torch.empty(shapes["weight"], dtype=WEIGHT_DTYPES[fmt])]
-    if "scale" in shapes:
-        example.append(torch.empty(shapes["scale"], dtype=torch.float8_e8m0fnu))
+        module = RoutedExperts(n, first, dim, inter, fmt, pow2, limit)
+    example = [torch.empty(tokens, dim, dtype=torch.bfloat16), torch.empty(tokens, k, dtype=torch.float32),
+               torch.empty(tokens, k, dtype=torch.long)]
+    names = []
+    for w in _PROJECTIONS:
+        in_f, out_f = (inter, dim) if w == "w2" else (dim, inter)
+        for part, dims in weight_shapes(fmt, in_f, out_f).items():
+            dtype = WEIGHT_DTYPES[fmt] if part == "weight" else torch.float8_e8m0fnu
+            example.append(torch.empty(n, *dims, dtype=dtype))
+            names.append(f"{w}.{part}")
 
-    def forward(x: torch.Tensor, weight: torch.Tensor, *scale: torch.Tensor) -> torch.Tensor:
-        return functional_call(layer, {"weight": weight, **dict(zip(("scale",), scale, strict=False))}, (x,))
+    def forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        return functional_call(module, dict(zip(names, params, strict=True)), (x, weights, ids))
 
     return trace(forward, example)
 
 
-def _linear(out: fx.Node, what: str) -> _Linear:
-    """The model's Linear whose output is ``out``: its input, weight, scale, format and scale rule."""
-    out = skip_noop_casts(out)
-    core = _cast(out, torch.bfloat16) or out
-    if not is_op(core, aten.linear):
-        raise NoMatch(f"{what} is not a linear layer's output ({locate(out)})")
-    leaves = [core.args[1]] if core.args[1].op == "placeholder" else _leaves(core.args[1])
-    weights = [n for n in leaves if _dtype(n) in FORMATS]
-    scales = [n for n in leaves if _dtype(n) == torch.float8_e8m0fnu]
-    if len(weights) != 1 or len(scales) > 1:
-        raise NoMatch(f"{what}: the weight is not one bf16, FP8 or packed FP4 tensor (with one e8m0 scale)")
-    weight = weights[0]
-    fmt = FORMATS[_dtype(weight)]
-    if fmt not in SUPPORTED:
-        raise NoMatch(f"{what}: {fmt} expert weights are not supported by the kernel (it takes {SUPPORTED})")
-    rows, cols = shape(weight) or (0, 0)
-    dims = shape(out)
-    if dims is None or len(dims) != 2:
-        raise NoMatch(f"{what}: the expert input is not a static [tokens, dim] matrix")
-    in_features = cols * 2 if fmt == "fp4" else cols
-    best = None
-    for pow2 in ((True, False) if fmt != "bf16" else (False,)):
-        binding = bind(_linear_template(fmt, pow2, dims[0], in_features, rows), out)
-        if binding.inputs is not None:
-            x, w, *s = binding.inputs
-            return _Linear(x, w, s[0] if s else None, fmt, pow2)
-        if best is None or binding.matched > best.matched:
-            best = binding
-    raise NoMatch(f"{what} is not the model's {fmt} Linear: {best.reason}")
-
-
-def _clamp_bounds(node: fx.Node) -> tuple[object, object]:
-    low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
-    high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
-    return low, high
-
-
-def _column(node: object) -> int | None:
-    """c when ``node`` is ``m[:, c:c+1]`` of a 2-D fp32 matrix m."""
-    if not is_op(node, aten.slice) or len(node.args) < 4 or node.args[1] not in (1, -1):
-        return None
-    if len(shape(node.args[0]) or ()) != 2 or _dtype(node.args[0]) != torch.float32:
-        return None
-    start, end = node.args[2], node.args[3]
-    return start if isinstance(start, int) and end == start + 1 else None
-
-
-def _term(term: fx.Node, index: int) -> _Term:
-    """One routed expert's contribution; ``_Unweighted`` when it has no routing-weight column."""
-    what = f"term {index} of the expert sum"
-    out = _cast(term, torch.float32)
-    if out is None:
-        raise _Unweighted(f"{what} is not an expert output cast to fp32")
-    try:
-        w2 = _linear(out, f"{what}: w2")
-    except NoMatch as miss:
-        raise _Unweighted(str(miss)) from None
-    h = _cast(w2.x, torch.bfloat16)
-    if not is_op(h, aten.mul) or _dtype(h) != torch.float32:
-        raise _Unweighted(f"{what}: the input of w2 is not an fp32 product cast to bf16")
-    columns = [(a, _column(a)) for a in h.args[:2]]
-    picked = [(a, c) for a, c in columns if c is not None]
-    if not picked:
-        raise _Unweighted(f"{what}: the hidden state is not scaled by a routing-weight column")
-    column_node, column = picked[0]
-    body = h.args[1] if h.args[0] is column_node else h.args[0]
-    if not is_op(body, aten.mul):
-        raise NoMatch(f"{what}: the weighted hidden state is not silu(gate) * up")
-    silu = [a for a in body.args[:2] if is_op(a, aten.silu)]
-    if len(silu) != 1:
-        raise NoMatch(f"{what}: the gate activation is not silu ({locate(body)})")
-    gate, up = silu[0].args[0], body.args[1] if body.args[0] is silu[0] else body.args[0]
-    limit = 0.0
-    if is_op(gate, aten.clamp) or is_op(up, aten.clamp):
-        g_low, g_high = _clamp_bounds(gate) if is_op(gate, aten.clamp) else (None, None)
-        u_low, u_high = _clamp_bounds(up) if is_op(up, aten.clamp) else (None, None)
-        if g_low is not None or not isinstance(g_high, float) or (u_low, u_high) != (-g_high, g_high):
-            raise NoMatch(f"{what}: the SwiGLU clamp is not min(gate, L) with clamp(up, -L, L)")
-        limit, gate, up = g_high, gate.args[0], up.args[0]
-    w1 = _linear(_cast(gate, torch.float32) or gate, f"{what}: w1")
-    w3 = _linear(_cast(up, torch.float32) or up, f"{what}: w3")
-    if w1.x is not w3.x:
-        raise NoMatch(f"{what}: w1 and w3 read different inputs")
-    if len({(w.fmt, w.pow2) for w in (w1, w3, w2)}) != 1:
-        raise NoMatch(f"{what}: w1, w3 and w2 differ in weight format or scale rule")
-    return _Term(w1.x, column_node.args[0], column, column_node, limit, w1, w3, w2)
-
-
-def _zeros(node: object) -> bool:
-    return is_op(node, aten.zeros) and _dtype(node) == torch.float32 and len(shape(node) or ()) == 2
-
-
-def _chain(start: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
-    """(add, term) pairs of ``y = zeros + t0 + t1 + ...`` from its first add, each add the only user of the last."""
-    node = start
-    pairs = [(start, start.args[1] if _zeros(start.args[0]) else start.args[0])]
-    while True:
-        users = list(node.users)
-        if len(users) != 1 or not is_op(users[0], aten.add) or users[0].kwargs.get("alpha", 1) != 1:
-            return pairs
-        nxt = users[0]
-        a, b = nxt.args[:2]
-        if a is b:
-            return pairs
-        pairs.append((nxt, b if a is node else a))
-        node = nxt
-
-
 class MoeDispatch(GraphPass):
-    """The dense routed-expert sum -> the grouped kernel over the chosen (token, expert) pairs."""
+    """The routed experts over sorted pairs -> the grouped kernel pipeline over the chosen (token, expert) pairs."""
 
     name = "moe_dispatch"
-    summary = "compute only the chosen (token, expert) pairs of the MoE instead of every expert on every token"
-    matches = ("y = zeros + sum over consecutive e of w2_e(combine[:, e] * silu(min(w1_e x, L)) * clamp(w3_e x, -L, "
-               "L)) with the model's Linear in bf16, FP8 or FP4 and combine = scatter(zeros, 1, ids, weights)")
+    summary = "run the routed experts as one grouped kernel pipeline over the chosen (token, expert) pairs"
+    matches = ("the model's RoutedExperts: pairs sorted by expert, w2(weight * silu(min(w1 x, L)) * clamp(w3 x, -L, "
+               "L)) by grouped matmuls over stacked bf16, FP8 or FP4 weights, each token's outputs summed in "
+               "ascending expert order")
     tolerance = 2e-2
     """Products are exact and only fp32 summation order differs, but that noise can flip a bf16 or e4m3 rounding
     of the hidden state, which moves an output by a small fraction of max|y|."""
 
     def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
-        """Adds of an fp32 zeros matrix and a cast to fp32 (the first step of the model's expert sum)."""
-        return [n for n in gm.graph.nodes if is_op(n, aten.add) and len(n.args) >= 2
-                and any(_zeros(a) and is_op(b, aten.to, aten._to_copy)
-                        for a, b in (n.args[:2], n.args[1::-1]))]
+        """``index_copy`` nodes whose source is a grouped matmul's output (the experts' outputs in pair order)."""
+        return [n for n in gm.graph.nodes if is_op(n, aten.index_copy) and len(n.args) >= 4
+                and is_op(_source(n.args[3]), aten._grouped_mm)]
 
     def analyze(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
-        """The routed-expert prefix of the chain starting at ``node``, checked as the module docstring says."""
-        terms: list[_Term] = []
-        ended = ""
-        pairs = _chain(node)
-        for index, (_, term) in enumerate(pairs):
-            try:
-                terms.append(_term(term, index))
-            except _Unweighted as miss:
-                if not terms:
-                    raise NoMatch(f"not a routed-expert sum: {miss}") from None
-                ended = str(miss)
+        """The region from the tokens, routing weights and ids to the per-token sum, bound as the docstring says."""
+        w2_mm = _source(node.args[3])
+        hidden = _ancestors(w2_mm.args[0], 80)
+        gated = [n for n in hidden if is_op(n, aten._grouped_mm)]
+        if len(gated) != 2:
+            raise NoMatch(f"the input of the grouped matmul at {locate(w2_mm)} does not come from two grouped "
+                          f"matmuls (w1 and w3); found {len(gated)}")
+        w2, _ = _stacked_weight(w2_mm)
+        fmt = FORMATS[_dtype(w2)]
+        n, dim, packed = shape(w2) or (0, 0, 0)
+        inter = packed * 2 if fmt == "fp4" else packed
+        view = next((u for u in node.users if len(shape(u) or ()) == 3), None)
+        if view is None:
+            raise NoMatch(f"the expert outputs at {locate(node)} are not viewed as [tokens, top_k, dim]")
+        end = _sum_end(view)
+        tokens, k = (shape(view) or (0, 0))[:2]
+        offsets = _constant_after(_ancestors(end), aten.sub, 1)
+        first = int(offsets[0]) if offsets else 0
+        clamps = [n for n in hidden if is_op(n, aten.clamp) and _source(n.args[0]) in gated]
+        limits = [float(c) for c in _constant_after(clamps, aten.clamp, 2)]
+        limit = max(limits) if limits else 0.0
+        best = None
+        for pow2 in ((True, False) if fmt != "bf16" else (False,)):
+            binding = bind(_template(tokens, k, n, first, dim, inter, fmt, pow2, limit), end)
+            if binding.inputs is not None:
                 break
-        first = terms[0]
-        for i, t in enumerate(terms):
-            if t.combine is not first.combine:
-                raise NoMatch(f"term {i} reads another routing-weight matrix than term 0")
-            if t.x is not first.x:
-                raise NoMatch(f"term {i} reads other tokens than term 0")
-            if t.column != first.column + i:
-                raise NoMatch(f"term {i} reads routing column {t.column}, expected {first.column + i} (the experts "
-                              "must be consecutive)")
-            if (t.w1.fmt, t.w1.pow2, t.limit) != (first.w1.fmt, first.w1.pow2, first.limit):
-                raise NoMatch(f"term {i} differs from term 0 in weight format, scale rule or SwiGLU limit")
-        combine = first.combine
-        matched = {t.column_node for t in terms}
-        stray = [u for u in combine.users if _column(u) is not None and u not in matched]
-        if stray:
-            why = f" (the chain ended at term {len(terms)}: {ended})" if ended else ""
-            raise NoMatch(f"routing column {_column(stray[0])} feeds something other than a matched expert "
-                          f"({locate(stray[0])}){why}")
-        if not (is_op(combine, aten.scatter) and len(combine.args) == 4 and combine.args[1] in (1, -1)
-                and _zeros(combine.args[0])):
-            raise NoMatch("the routing weights are not scatter(zeros, 1, ids, weights): the kernel needs the ids")
-        x, ids, fmt = first.x, combine.args[2], first.w1.fmt
-        dims = shape(x)
-        if _dtype(x) != torch.bfloat16 or dims is None or dims[0] != (shape(combine) or (0,))[0]:
-            raise NoMatch("the tokens are not a bf16 [tokens, dim] matrix matching the routing weights")
-        lists = [[getattr(t, w).weight for t in terms] for w in ("w1", "w3", "w2")]
-        scales = [[getattr(t, w).scale for t in terms] if fmt != "bf16" else [] for w in ("w1", "w3", "w2")]
+            if best is None or binding.matched > best.matched:
+                best = binding
+        else:
+            raise NoMatch(f"not the model's routed experts ({fmt}, {n} experts from {first}, limit {limit}): "
+                          f"{best.reason}")
+        x, weights, ids, *params = binding.inputs
+        quantized = fmt != "bf16"
+        w1, s1, w3, s3, w2, s2 = params if quantized else (params[0], None, params[1], None, params[2], None)
         impl = ops.implementation_backend("moe_experts", ctx.backend)
-        details = {"experts": len(terms), "first": first.column, "top_k": (shape(ids) or (0, 0))[-1],
-                   "format": fmt, "pow2_scales": first.w1.pow2, "swiglu_limit": first.limit,
-                   "tokens": dims[0], "dim": dims[1], "inter_dim": (shape(terms[0].w2.x) or (0, 0))[-1]}
-        sink = pairs[len(terms) - 1][0]
-        return Rewrite(sink, ops.moe_experts, (x, combine, ids, first.column, *lists, *scales, fmt, first.w1.pow2,
-                                               first.limit, ctx.backend), f"moe_experts.{fmt}.{impl}", details)
+        details = {"experts": n, "first": first, "top_k": k, "format": fmt, "pow2_scales": pow2,
+                   "swiglu_limit": limit, "tokens": tokens, "dim": dim, "inter_dim": inter}
+        return Rewrite(end, ops.moe_experts, (x, weights, ids, first, w1, w3, w2, s1, s3, s2, fmt, pow2,
+                                              limit, ctx.backend), f"moe_experts.{fmt}.{impl}", details)
+
+
+def _source(node: object) -> object:
+    """``node`` under casts (to fp32 or to its own dtype)."""
+    node = skip_noop_casts(node)
+    while is_op(node, aten.to, aten._to_copy):
+        node = skip_noop_casts(node.args[0])
+    return node
 
 
 __all__ = ["MoeDispatch"]

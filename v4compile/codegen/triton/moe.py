@@ -19,10 +19,8 @@ shape alone and the sequence can be captured in a CUDA graph):
    the expert outputs are).
 
 The tile -> expert map is derived in every GEMM program from the per-expert counts (a cumsum over at most
-a few hundred entries), so no further launch is needed. Expert weights stay one tensor per expert (the
-model's layout): a device table holds each expert's element offset from the first expert's tensor, built
-once per set of data pointers (host work, cached; under CUDA-graph replay it is not redone, so the weights
-must keep their storage, which in-place updates do). Products of e4m3/e2m1 (times a power of two) and bf16
+a few hundred entries), so no further launch is needed. Expert weights are the model's stacked tensors: expert
+e's weight starts e strides into its projection's tensor. Products of e4m3/e2m1 (times a power of two) and bf16
 values are exact in fp32, so bf16 tensor-core dots reproduce the model's products; only the fp32
 summation order differs. Triton's CPU interpreter cannot multiply bf16 tensors: there the operands are
 widened to fp32, with the same exact products, and multiplied by a broadcast product and sum (``tl_dot``
@@ -31,8 +29,6 @@ False), since the interpreter's dot is numpy's unblocked matmul loop; ``tl_dot``
 """
 
 from __future__ import annotations
-
-from collections import OrderedDict
 
 import torch
 import triton
@@ -159,35 +155,27 @@ def _dot_w(a0, a1, W, S, n, nm, k0, K, s_w, s_s, BK: tl.constexpr, TL_DOT: tl.co
 
 
 @triton.jit
-def moe_gemm(A, COMBINE, SORTED, COUNTS, W_A, W_B, S_A, S_B, OFFSETS, OUT, n_local, first, top_k, N, K,
-             s_a, s_c, s_o, s_w, s_s, limit, GATED: tl.constexpr, CLAMP: tl.constexpr, ALIGN: tl.constexpr,
+def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k, N, K,
+             s_a, s_o, s_w, s_s, s_we, s_se, limit, GATED: tl.constexpr, CLAMP: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_BLOCK: tl.constexpr, TL_DOT: tl.constexpr):
     # GATED: OUT[slot] = bf16(weight * silu(min(bf16(A W_A^T), L)) * clamp(bf16(A W_B^T), -L, L)) with A's
-    # rows gathered by token; else OUT[slot] = bf16(A[slot] W_A^T). An expert's tensor is its group's first
-    # tensor plus its offset from the table (w1, w3, w2, s1, s3, s2); ALIGN divides every weight offset, which
-    # lets the compiler vectorize the weight loads
+    # rows gathered by token; else OUT[slot] = bf16(A[slot] W_A^T). Expert e's weight is W + e * s_we (its
+    # scale S + e * s_se) in the stacked tensors
     e, row0, offset, count = _locate(COUNTS, n_local, tl.program_id(0), BM, E_BLOCK)
     if e >= n_local:
         return
     r = row0 + tl.arange(0, BM)
     rm = r < count
     slot = offset + r
-    sa = S_A
-    sb = S_B
     if GATED:
-        rows = tl.load(SORTED + slot, mask=rm, other=0) // top_k
-        wa = W_A + (tl.load(OFFSETS + e) // ALIGN) * ALIGN
-        wb = W_B + (tl.load(OFFSETS + n_local + e) // ALIGN) * ALIGN
-        if FMT != "bf16":
-            sa = S_A + tl.load(OFFSETS + 3 * n_local + e)
-            sb = S_B + tl.load(OFFSETS + 4 * n_local + e)
+        pair = tl.load(SORTED + slot, mask=rm, other=0)
+        rows = pair // top_k
     else:
         rows = slot
-        wa = W_A + (tl.load(OFFSETS + 2 * n_local + e) // ALIGN) * ALIGN
-        wb = wa
-        if FMT != "bf16":
-            sa = S_A + tl.load(OFFSETS + 5 * n_local + e)
-            sb = sa
+    wa = W_A + e.to(tl.int64) * s_we
+    wb = W_B + e.to(tl.int64) * s_we
+    sa = S_A + e.to(tl.int64) * s_se
+    sb = S_B + e.to(tl.int64) * s_se
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < N
     acc_a = tl.zeros([BM, BN], tl.float32)
@@ -213,7 +201,7 @@ def moe_gemm(A, COMBINE, SORTED, COUNTS, W_A, W_B, S_A, S_B, OFFSETS, OUT, n_loc
         if CLAMP:
             out = tl.minimum(out, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
-        weight = tl.load(COMBINE + rows * s_c + first + e, mask=rm, other=0.0)
+        weight = tl.load(WEIGHTS + pair, mask=rm, other=0.0)
         out = _round_bf16(weight[:, None] * (out / (1.0 + tl.exp(-out)) * up))
     tl.store(OUT + slot[:, None] * s_o + n[None, :], out.to(tl.bfloat16), mask=rm[:, None] & nm[None, :])
 
@@ -268,40 +256,6 @@ def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, c
     return {**tiles, "BK": 128, "BT": 1 if tokens < 512 else 4, "BD": 512, "BR": 16, "tl_dot": True}
 
 
-_TABLES: OrderedDict[tuple[int, ...], tuple[torch.Tensor, int]] = OrderedDict()
-_TABLES_KEPT = 512
-
-
-def offset_table(groups: list[list[torch.Tensor]]) -> tuple[torch.Tensor, int]:
-    """Device table of every expert tensor's element offset from its group's first tensor (groups w1, w3, w2,
-    then the scales), and the largest power of two up to 16 that divides every weight offset. Cached by the
-    data pointers: shapes, dtypes and layout are checked and the table is copied to the device once per weight
-    set; a lookup still reads every pointer (a few hundred microseconds for 256 experts, host time that a
-    CUDA-graph replay does not repeat)."""
-    key = tuple(t.data_ptr() for group in groups for t in group)
-    hit = _TABLES.get(key)
-    if hit is not None:
-        _TABLES.move_to_end(key)
-        return hit
-    offsets: list[int] = []
-    for group in groups:
-        base = group[0]
-        for t in group:
-            if t.shape != base.shape or t.dtype != base.dtype or t.device != base.device or not t.is_contiguous():
-                raise ValueError(f"expert tensors differ in shape, dtype, device or layout: {tuple(t.shape)} "
-                                 f"{t.dtype} vs {tuple(base.shape)} {base.dtype}")
-            offsets.append((t.data_ptr() - base.data_ptr()) // base.element_size())
-    align = 16
-    weights = offsets[: sum(len(g) for g in groups[:3])]
-    while align > 1 and any(o % align for o in weights):
-        align //= 2
-    hit = (torch.tensor(offsets, dtype=torch.int64, device=groups[0][0].device), align)
-    _TABLES[key] = hit
-    if len(_TABLES) > _TABLES_KEPT:
-        _TABLES.popitem(last=False)
-    return hit
-
-
 def _module(fmt: str, cuda: bool) -> object:
     return REGISTRY.build(kernel_name(fmt), "triton", "v4compile::moe_experts",
                           lambda: _SOURCE.format(fmt=fmt, dot="bfloat16" if cuda else "float32"),
@@ -324,34 +278,34 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.bfloat16 else t.view(torch.uint8)
 
 
-def moe_experts(x: torch.Tensor, combine: torch.Tensor, ids: torch.Tensor, first: int, w1: list[torch.Tensor],
-                w3: list[torch.Tensor], w2: list[torch.Tensor], s1: list[torch.Tensor], s3: list[torch.Tensor],
-                s2: list[torch.Tensor], fmt: str, pow2: bool, limit: float,
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first: int, w1: torch.Tensor,
+                w3: torch.Tensor, w2: torch.Tensor, s1: torch.Tensor | None, s3: torch.Tensor | None,
+                s2: torch.Tensor | None, fmt: str, pow2: bool, limit: float,
                 config: dict[str, int] | None = None) -> torch.Tensor:
-    """Triton body of ``v4compile::moe_experts``: x [T, D] bf16, combine [T, E] fp32 routing weights, ids [T, k]
-    chosen experts, local experts ``first..first+len(w1)-1`` -> y [T, D] fp32 (the model's expert sum).
-    ``config`` overrides the launch configuration (benchmark sweeps)."""
+    """Triton body of ``v4compile::moe_experts``: x [T, D] bf16, routing weights [T, k] fp32 and ids [T, k],
+    stacked local experts ``first..first+E-1`` -> y [T, D] fp32 (the model's expert sum). ``config`` overrides
+    the launch configuration (benchmark sweeps)."""
     if fmt not in FORMATS:
         raise ValueError(f"the MoE kernel supports expert formats {FORMATS}, got {fmt!r}")
     tokens, dim = x.shape
-    top_k, n_local, inter = ids.shape[1], len(w1), w1[0].shape[0]
+    top_k, n_local, inter = ids.shape[1], w1.shape[0], w1.shape[1]
     quantized = fmt != "bf16"
     if quantized and (dim % QUANT_BLOCK or inter % QUANT_BLOCK):
         raise ValueError(f"quantized experts need dim {dim} and inter dim {inter} divisible by {QUANT_BLOCK}")
     cuda = x.device.type == "cuda"
     name = kernel_name(fmt)
     module = _module(fmt, cuda)
-    groups = [w1, w3, w2, *((s1, s3, s2) if quantized else ())]
-    offsets, align = offset_table(groups)
-    bases = [_bytes(g[0]) for g in groups]
-    if not quantized:
-        bases += bases[:3]
+    w1, w3, w2 = (_bytes(w.contiguous()) for w in (w1, w3, w2))
+    if quantized:
+        s1, s3, s2 = (s.contiguous().view(torch.uint8) for s in (s1, s3, s2))
+    else:
+        s1, s3, s2 = w1, w3, w2
     pairs = tokens * top_k
     config = config or launch_config(pairs, n_local, tokens, dim, inter, cuda)
     bm = config["BM"]
     e_block = triton_next_pow2(n_local)
     device = x.device
-    x, combine, ids = x.contiguous(), combine.contiguous(), ids.contiguous()
+    x, weights, ids = x.contiguous(), weights.float().contiguous(), ids.contiguous()
     counts = torch.empty(n_local, dtype=torch.int32, device=device)
     order = torch.empty(pairs, dtype=torch.int32, device=device)
     slots = torch.empty(pairs, dtype=torch.int32, device=device)
@@ -377,12 +331,13 @@ def moe_experts(x: torch.Tensor, combine: torch.Tensor, ids: torch.Tensor, first
         return blocks * QUANT_BLOCK
 
     def gemm(a: torch.Tensor, dst: torch.Tensor, gated: bool, n: int, k: int, bn: int) -> None:
-        w = (bases[0], bases[1], bases[3], bases[4]) if gated else (bases[2], bases[2], bases[5], bases[5])
+        w = (w1, w3, s1, s3) if gated else (w2, w2, s2, s2)
         row = {"fp4": (k // 2, k // 32), "fp8": (k, triton.cdiv(k, QUANT_BLOCK)), "bf16": (k, 0)}[fmt]
+        scale_stride = w[2].stride(0) if quantized else 0
         module.moe_gemm[(tiles, triton.cdiv(n, bn))](
-            a, combine, order, counts, *w, offsets, dst, n_local, first, top_k, n, k, a.stride(0),
-            combine.stride(0), dst.stride(0), *row, float(limit),
-            GATED=gated, CLAMP=limit > 0, ALIGN=align, BM=bm, BN=bn, BK=k_block(k), E_BLOCK=e_block,
+            a, weights, order, counts, *w, dst, n_local, top_k, n, k, a.stride(0), dst.stride(0), *row,
+            w[0].stride(0), scale_stride, float(limit),
+            GATED=gated, CLAMP=limit > 0, BM=bm, BN=bn, BK=k_block(k), E_BLOCK=e_block,
             TL_DOT=config["tl_dot"], num_warps=warps, num_stages=stages)
 
     def run() -> None:
