@@ -14,7 +14,7 @@ from torch.func import functional_call
 
 import v4compile
 from v4compile.model.checkpoint import CheckpointError, read_tensors, save
-from v4compile.model.moe import Expert, MoE, official_state, stacked_slot
+from v4compile.model.moe import Expert, MoE, official_state
 from v4compile.model.routing import Routing
 
 
@@ -120,8 +120,9 @@ def test_checkpoints_keep_per_expert_names(models: dict, tmp_path: Path) -> None
     model = models["fp4"]
     state = model.state_dict()
     assert "layers.1.ffn.experts.w1.weight" in state and "layers.1.ffn.experts.3.w1.weight" not in state
-    assert stacked_slot("layers.1.ffn.experts.3.w1.scale") == ("layers.1.ffn.experts.w1.scale", 3)
-    assert stacked_slot("layers.1.ffn.shared_experts.w1.weight") is None
+    names = official_state(state)
+    assert names["layers.1.ffn.experts.3.w1.scale"].data_ptr() == state["layers.1.ffn.experts.w1.scale"][3].data_ptr()
+    assert names["layers.1.ffn.shared_experts.w1.weight"] is state["layers.1.ffn.shared_experts.w1.weight"]
     save(model, tmp_path)
     on_disk = read_tensors(tmp_path)
     assert "layers.1.ffn.experts.7.w2.weight" in on_disk and "layers.1.ffn.experts.w2.weight" not in on_disk

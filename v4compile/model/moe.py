@@ -107,15 +107,7 @@ class RoutedExperts(nn.Module):
         return y
 
 
-_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123]\.(?:weight|scale))$")
 _STACKED_NAME = re.compile(r"^(.*\.experts)\.(w[123]\.(?:weight|scale))$")
-
-
-def stacked_slot(name: str) -> tuple[str, int] | None:
-    """For an official per-expert tensor name (``layers.3.ffn.experts.7.w1.weight``), the stacked state-dict name
-    and the expert's index in it (``layers.3.ffn.experts.w1.weight``, 7); None for any other name."""
-    m = _EXPERT_NAME.match(name)
-    return (f"{m.group(1)}.{m.group(3)}", int(m.group(2))) if m else None
 
 
 def official_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
