@@ -44,8 +44,12 @@ def test_every_compressor_and_indexer_topk_is_rewritten(explained) -> None:
 
 def test_near_misses_say_why(explained) -> None:
     report = explained.reports()[0]
-    gate_misses = [m for m in _by_pass(report, "radix_topk").near_misses if "moe.py" in m.location.source]
+    topk_misses = _by_pass(report, "radix_topk").near_misses
+    gate_misses = [m for m in topk_misses if m.location.module.endswith("ffn.gate")]
     assert len(gate_misses) == 3 and all("only 8 candidates" in m.reason for m in gate_misses)
+    # the routed experts sort their ids and their (token, expert) pairs ascending: a grouping, not a top-k
+    expert_misses = [m for m in topk_misses if m.location.module.endswith("ffn.experts")]
+    assert expert_misses and all(m.reason == "ascending sort (smallest first)" for m in expert_misses)
     softmax_misses = _by_pass(report, "compressor_fusion").near_misses
     assert any("sinkhorn" in m.location.source for m in softmax_misses)
     assert all(m.reason for m in softmax_misses)
