@@ -80,7 +80,11 @@ def run_row(args: argparse.Namespace, experts: int) -> dict[str, object]:
         argv += ["--mtp"] * args.mtp + ["--tiny"] * args.tiny
         row: dict[str, object] = {"experts": experts}
         for run in ("cold", "warm"):
-            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout)
+            try:
+                done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                row[run] = {"error": f"timed out after {args.timeout:.0f} s"}
+                break
             if done.returncode:
                 row[run] = {"error": done.stderr[-2000:]}
                 break

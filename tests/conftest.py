@@ -15,6 +15,17 @@ GOLDEN_ROOT = Path(os.environ.get("V4_GOLDEN", Path(__file__).resolve().parents[
 GOLDEN_FOLDERS = ("tiny-bf16", "tiny-fp8-fp4")
 
 
+TEST_CACHE = Path(__file__).resolve().parents[1] / ".test-cache"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Compiled artifacts (the kernel registry's sources, Inductor's and Triton's caches) go to the project's own
+    ``.test-cache``, never the user's caches."""
+    for variable, folder in (("V4COMPILE_CACHE", "kernels"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+                             ("TRITON_CACHE_DIR", "triton")):
+        os.environ[variable] = str(TEST_CACHE / folder)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skips ``gpu``-marked tests where no CUDA device exists."""
     if torch.cuda.is_available():

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import v4compile
 from v4compile.codegen import reference
 from v4compile.debugging import bisect, golden_check
+from v4compile.optimize import resolve_backend
 
 
 def _in_band(name: str, results) -> None:
@@ -100,12 +101,32 @@ def test_training_gradients_flow_through_every_rewrite(tiny_model: v4compile.Dee
     assert sum(row["matches"] for row in optimized.report()) >= 6
 
 
+def test_auto_is_triton_on_cuda_and_compiled_reference_bodies_elsewhere() -> None:
+    assert resolve_backend("auto", "cuda") == "triton"
+    assert resolve_backend("auto", torch.device("cpu")) == "reference"
+    assert resolve_backend("tilelang", "cpu") == "tilelang"
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        resolve_backend("cuda", "cpu")
+
+
 @pytest.mark.slow
-def test_inductor_end_to_end_matches_eager(tiny_model: v4compile.DeepSeekV4) -> None:
+def test_inductor_end_to_end_matches_eager(monkeypatch: pytest.MonkeyPatch, tiny_model: v4compile.DeepSeekV4) -> None:
+    from v4compile.codegen.registry import REGISTRY
+
     ids = torch.randint(0, tiny_model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4))
     optimized = v4compile.optimize(tiny_model)
     with torch.no_grad():
+        optimized(ids)
+        # on the CPU, auto compiles the ops' reference bodies into Inductor's code: a compiled call runs no
+        # reference body in Python and launches no Triton kernel (no interpreter)
+        calls = []
+        for name in ("compressor_pool", "radix_topk", "sparse_attention", "mhc_pre", "mhc_post", "moe_experts"):
+            body = getattr(reference, name)
+            monkeypatch.setattr(reference, name, lambda *a, _body=body, _name=name: calls.append(_name) or _body(*a))
+        launches = sum(r.launches for r in REGISTRY.records.values())
         got, want = optimized(ids), tiny_model(ids)
+    assert calls == [] and sum(r.launches for r in REGISTRY.records.values()) == launches
+    assert all(kernel.endswith(".reference") for row in optimized.report() for kernel in row["kernels"])
     cos = F.cosine_similarity(got.flatten(0, 1), want.flatten(0, 1), dim=-1)
     assert cos.median() > 0.999
     # compressors 5 + their finishes 5, indexer top-k 2, mHC pre/post 8 + 8, attention 4 + indexer scoring 2,

@@ -19,6 +19,8 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from . import progress
+from .codegen.ops import reference_decompositions
 from .passes import build_passes
 from .passes.manager import PassManager
 from .passes.stream_schedule import scheduled
@@ -45,7 +47,9 @@ def make_backend(manager: PassManager, inductor: bool = True,
     """A torch.compile backend running ``manager``; ``captured`` collects the pre-pass ATen graphs."""
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        aten_gm = to_aten(gm, example_inputs)
+        progress.log(f"Dynamo captured a graph of {len(gm.graph.nodes)} nodes")
+        with progress.step("retracing to ATen"):
+            aten_gm = to_aten(gm, example_inputs)
         if captured is not None:
             captured.append(_copy(aten_gm))
         rewritten, _ = manager.run(aten_gm)
@@ -56,22 +60,26 @@ def make_backend(manager: PassManager, inductor: bool = True,
             return streamed
         if not inductor:
             return rewritten
-        return inductor_compile(rewritten, example_inputs)
+        with progress.step("Inductor compiling the rewritten graph"):
+            return inductor_compile(rewritten, example_inputs, inline_reference=manager.backend == "reference")
 
     return backend
 
 
-def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    """Inductor's ``compile_fx``, with e8m0 scale inputs on the CPU (FP8/FP4 checkpoints) handed over as their
-    bytes: Inductor's C++ code generator has no e8m0 type, and the model decodes scales from bytes anyway.
-    Uses that view the scales as bytes read the input directly; any other use gets an e8m0 view back. GPU
-    inputs go unchanged: Triton code only sees the model's byte views, and re-viewed inputs there leave
-    Inductor's 32-bit indexing guard on a size Dynamo cannot trace back to an input (torch 2.11, H200)."""
+def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
+                     inline_reference: bool = False) -> Callable[..., Any]:
+    """Inductor's ``compile_fx`` (with ``inline_reference``, the custom ops' reference bodies compiled into
+    Inductor's code rather than called eagerly; eager's bf16 rounding emulated either way), with e8m0 scale
+    inputs on the CPU (FP8/FP4 checkpoints) handed over as their bytes: Inductor's C++ code generator has no
+    e8m0 type, and the model decodes scales from bytes anyway. Uses that view the scales as bytes read the
+    input directly; any other use gets an e8m0 view back. GPU inputs go unchanged: Triton code only sees the
+    model's byte views, and re-viewed inputs there leave Inductor's 32-bit indexing guard on a size Dynamo
+    cannot trace back to an input (torch 2.11, H200)."""
     e8m0 = torch.float8_e8m0fnu
     as_bytes = {i for i, x in enumerate(example_inputs)
                 if isinstance(x, torch.Tensor) and x.dtype == e8m0 and x.device.type == "cpu"}
     if not as_bytes:
-        return _compile_fx(gm, example_inputs)
+        return _compile_fx(gm, example_inputs, inline_reference)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i in sorted(as_bytes):
         node = placeholders[i]
@@ -91,19 +99,23 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[
             node.meta["val"] = val.view(torch.uint8)
     gm.graph.lint()
     gm.recompile()
-    compiled = _compile_fx(gm, [x.view(torch.uint8) if i in as_bytes else x for i, x in enumerate(example_inputs)])
+    compiled = _compile_fx(gm, [x.view(torch.uint8) if i in as_bytes else x for i, x in enumerate(example_inputs)],
+                           inline_reference)
 
     return lambda *args: compiled(*(a.view(torch.uint8) if i in as_bytes else a for i, a in enumerate(args)))
 
 
-def _compile_fx(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+def _compile_fx(gm: fx.GraphModule, example_inputs: list[Any], inline_reference: bool) -> Callable[..., Any]:
     """``compile_fx`` without its warning that complex operators stay aten calls: the model's one complex op,
     ``torch.polar`` building the RoPE tables as the official model does, is such a call by design."""
     from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
 
+    decompositions = {**select_decomp_table(), **reference_decompositions()} if inline_reference else None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, decompositions=decompositions,
+                          config_patches={"emulate_precision_casts": True})
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -116,7 +128,9 @@ def _default_backend(gm: fx.GraphModule, example_inputs: list[Any], **options: A
     """``torch.compile(fn, backend="v4compile", options={...})``: every pass, auto kernel backend."""
     from .optimize import resolve_backend
 
-    manager = PassManager(build_passes(options.get("passes")), backend=resolve_backend(options.get("backend", "auto")),
+    device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), None)
+    manager = PassManager(build_passes(options.get("passes")),
+                          backend=resolve_backend(options.get("backend", "auto"), device),
                           disable=tuple(options.get("disable", ())), debug_dir=options.get("debug_dir"),
                           check=bool(options.get("check", False)))
     return make_backend(manager, inductor=options.get("inductor", True))(gm, example_inputs)

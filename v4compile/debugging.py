@@ -87,8 +87,9 @@ def bisect(model: DeepSeekV4, *, backend: str = "auto", tolerance: float = 1e-2,
     exceed ``tolerance``, by binary search over optimization fuel on one captured graph."""
     if entry not in ("forward", "decode"):
         raise ValueError(f"bisect entry must be 'forward' or 'decode', got {entry!r}")
-    kernel_backend = resolve_backend(backend)
-    ids = sample_ids(model).to(next(model.parameters()).device)
+    device = next(model.parameters()).device
+    kernel_backend = resolve_backend(backend, device)
+    ids = sample_ids(model).to(device)
     captured: list[fx.GraphModule] = []
     inputs: list[list[Any]] = []
     recorder = PassManager([], backend=kernel_backend)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import batch_invariant
+from . import batch_invariant, progress
 from .backend import make_backend
 from .codegen.ops import KERNEL_BACKENDS
 from .passes import PASSES, build_passes
@@ -18,11 +18,23 @@ from .passes.manager import GraphReport, PassManager, summarize
 BACKENDS = ("auto", *KERNEL_BACKENDS)
 
 
-def resolve_backend(backend: str, device: torch.device | None = None) -> str:
-    """The kernel backend for ``backend``: "auto" is Triton, compiled on CUDA and interpreted on CPU."""
+def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
+    """The kernel backend for ``backend`` on ``device`` (None: CUDA when available). "auto" is the fastest
+    correct path there: the Triton kernels on CUDA, and elsewhere the ops' reference bodies compiled by
+    Inductor into its CPU code (the Triton interpreter is for testing kernel sources, not for running)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
-    return "triton" if backend == "auto" else backend
+    if backend != "auto":
+        return backend
+    kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    return "triton" if kind == "cuda" else "reference"
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer (CPU for a model with neither)."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
 
 
 def _never_fall_back_to_eager() -> None:
@@ -61,6 +73,21 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
     shard.bind()
 
 
+def _logged(entry: str, compiled: Any, manager: PassManager) -> Any:
+    """``compiled`` timing each call for the compile progress log, which closes a call that compiled a graph
+    with its total time."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        graphs = len(manager.reports)
+        with progress.call(entry):
+            out = compiled(*args, **kwargs)
+            if len(manager.reports) != graphs:
+                progress.log("compiled and ran: later calls with these shapes reuse the compiled code")
+        return out
+
+    return call
+
+
 class OptimizedModel:
     """The optimized callable: same API as the model (forward, decode_step, hidden_states, mtp_logits),
     each entry point compiled once through the pass pipeline. ``report()`` tells what every pass did."""
@@ -79,7 +106,7 @@ class OptimizedModel:
         if name not in self._compiled:
             fn = self.model if name == "forward" else getattr(self.model, name)
             backend = make_backend(self.manager, inductor=self.inductor)
-            self._compiled[name] = torch.compile(fn, backend=backend, dynamic=False)
+            self._compiled[name] = _logged(name, torch.compile(fn, backend=backend, dynamic=False), self.manager)
         return self._compiled[name]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -110,7 +137,8 @@ def optimize(model: nn.Module, *, backend: str = "auto", passes: list[str] | Non
              deterministic: bool = False, tp: int = 1) -> OptimizedModel:
     """Compiles ``model`` with the v4compile passes and kernels.
 
-    ``backend``: "auto" | "triton" | "tilelang" | "reference" (kernel bodies). ``passes``: pass names to
+    ``backend``: "auto" (Triton on CUDA, reference bodies compiled by Inductor elsewhere) | "triton" |
+    "tilelang" | "reference" (kernel bodies). ``passes``: pass names to
     run (default all), ``disable``: names to switch off, ``options``: per-pass options. ``debug_dir``:
     dump each graph when a pass changed it. ``check``: compare every rewritten region with the original
     while running (the graph then runs eagerly). ``fuel``: stop after that many rewrites (bisecting).
@@ -133,7 +161,7 @@ def optimize(model: nn.Module, *, backend: str = "auto", passes: list[str] | Non
         torch.use_deterministic_algorithms(True)
         batch_invariant.enable()
         inductor = False
-    kernel_backend = resolve_backend(backend)
+    kernel_backend = resolve_backend(backend, model_device(model))
     unknown = [n for n in disable if n not in PASSES]
     if unknown:
         raise ValueError(f"unknown pass {unknown[0]!r}; valid passes: {', '.join(PASSES)}")

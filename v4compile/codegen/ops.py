@@ -301,3 +301,25 @@ def _(x, weights, ids, first, w1, w3, w2, s1, s3, s2, fmt, pow2, limit, backend)
 
 
 _reference_backward(moe_experts, "moe_experts")
+
+
+# ----------------------------------------------------------------------------- reference bodies for Inductor
+_REFERENCE_BODIES: dict[str, tuple[str, int]] = {
+    "compressor_pool": ("compressor_pool", -1), "compressor_pool_state": ("compressor_pool_state", -1),
+    "compressor_entries": ("compressor_entries", -1), "compressor_entry_state": ("compressor_entry_state", -1),
+    "radix_topk": ("radix_topk", -1), "sparse_attention": ("sparse_attention", -1),
+    "sparse_attention_padded": ("sparse_attention", 5), "indexer_scores": ("indexer_scores", -1),
+    "mhc_pre": ("mhc_pre", -1), "mhc_post": ("mhc_post", -1), "moe_experts": ("moe_experts", -1)}
+"""Each custom op's reference body and how many of its leading inputs that body takes (-1: all but the
+trailing backend)."""
+
+
+def reference_decompositions() -> dict[Any, Callable[..., Any]]:
+    """Each custom op decomposed into its reference body: handed to Inductor, the ops' math becomes part of
+    Inductor's own generated code (C++ on the CPU) instead of an opaque call back into eager PyTorch."""
+
+    def body(name: str, inputs: int) -> Callable[..., Any]:
+        return lambda *args: getattr(reference, name)(*args[:inputs])
+
+    return {getattr(torch.ops.v4compile, op).default: body(name, inputs)
+            for op, (name, inputs) in _REFERENCE_BODIES.items()}

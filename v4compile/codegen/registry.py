@@ -7,11 +7,14 @@ import hashlib
 import importlib.util
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .. import progress
 
 
 def cache_dir() -> Path:
@@ -99,7 +102,12 @@ class KernelRegistry:
         if record is None:
             return run()
         try:
-            return run()
+            if record.launches:
+                return run()
+            start = time.perf_counter()
+            out = run()
+            progress.log(f"kernel {name}: built and first launched ({time.perf_counter() - start:.1f} s)")
+            return out
         except Exception as exc:  # first launch compiles (GPU) or first interprets (CPU): a build failure
             if record.launches:
                 raise KernelBuildError(f"kernel {name} failed on this launch: {type(exc).__name__}: {exc}") from exc

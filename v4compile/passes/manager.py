@@ -20,6 +20,7 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .. import progress
 from ..codegen.registry import REGISTRY
 from .base import GraphPass, Location, Match, NearMiss, NoMatch, Rewrite, RewriteContext, locate
 
@@ -184,6 +185,8 @@ class PassManager(CustomGraphPass):
             gm.graph.lint()
             gm.recompile()
             stats.seconds = time.perf_counter() - start
+            progress.log(f"pass {graph_pass.name}: {len(stats.matches)} rewrites, {len(stats.near_misses)} near-misses "
+                         f"({stats.seconds:.2f} s)")
             if folder and stats.matches:
                 text = gm.print_readable(print_output=False)
                 (folder / f"{index:02d}-after-{graph_pass.name}.txt").write_text(text)

@@ -1,0 +1,64 @@
+"""Compile progress: what the first call of an optimized entry point is doing (Dynamo capture, each pass,
+Inductor, kernel builds), with elapsed time, so a long first call is never a silent wait.
+
+Lines go to the ``v4compile.compile`` logger at INFO. When the application has configured no logging, they are
+printed on stderr; silence them with ``logging.getLogger("v4compile").setLevel(logging.WARNING)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+LOGGER = logging.getLogger("v4compile.compile")
+_state = threading.local()
+
+
+def _ensure_output() -> None:
+    """Prints on stderr unless the application set up logging (then its handlers decide)."""
+    if LOGGER.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("v4compile | %(message)s"))
+    LOGGER.addHandler(handler)
+    LOGGER.propagate = False
+    if LOGGER.level == logging.NOTSET and logging.getLogger("v4compile").level == logging.NOTSET:
+        LOGGER.setLevel(logging.INFO)
+
+
+def elapsed() -> float:
+    """Seconds since the current optimized call began (0 outside one)."""
+    start = getattr(_state, "start", None)
+    return 0.0 if start is None else time.perf_counter() - start
+
+
+def log(message: str) -> None:
+    """One progress line, prefixed with the entry point being compiled and the seconds since its call began."""
+    _ensure_output()
+    entry = getattr(_state, "entry", None)
+    where = f"{entry} " if entry else ""
+    LOGGER.info("%s[%6.1f s] %s", where, elapsed(), message)
+
+
+@contextmanager
+def call(entry: str) -> Iterator[None]:
+    """Marks one call of the optimized ``entry``: progress lines logged inside it are timed from its start."""
+    outer = getattr(_state, "entry", None), getattr(_state, "start", None)
+    _state.entry, _state.start = entry, time.perf_counter()
+    try:
+        yield
+    finally:
+        _state.entry, _state.start = outer
+
+
+@contextmanager
+def step(what: str) -> Iterator[None]:
+    """Logs ``what`` when it starts and, with its duration, when it ends."""
+    log(f"{what} ...")
+    start = time.perf_counter()
+    yield
+    log(f"{what}: done in {time.perf_counter() - start:.1f} s")
