@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 
 class NoMatch(Exception):
@@ -158,10 +159,9 @@ def shape(node: Any) -> tuple[int, ...] | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     if not isinstance(val, torch.Tensor):
         return None
-    try:
-        return tuple(int(s) for s in val.shape)
-    except (TypeError, ValueError):
-        return None
+    if not all(is_concrete_int(s) for s in val.shape):
+        return None  # never int() a symbolic size: that would specialise the graph to this one size
+    return tuple(int(s) for s in val.shape)
 
 
 def only_user(node: fx.Node, why: str) -> fx.Node:
