@@ -27,11 +27,7 @@ from .passes.stream_schedule import scheduled
 
 
 def to_aten(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
-    """Retraces a Dynamo graph into pre-dispatch ATen ops, keeping source locations in node metadata. Traces
-    on Dynamo's own fake inputs where it recorded them, so the sizes it made dynamic stay symbolic."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) == len(example_inputs):
-        example_inputs = [n.meta.get("example_value", x) for n, x in zip(placeholders, example_inputs, strict=True)]
+    """Retraces a Dynamo graph into pre-dispatch ATen ops, keeping source locations in node metadata."""
     fake_mode = detect_fake_mode(example_inputs)
     runner = lambda *args: fx.Interpreter(gm).run(*args)  # noqa: E731
     if fake_mode is None:

@@ -181,6 +181,11 @@ def _kernels(args: argparse.Namespace) -> int:
         if record.error:
             console.print(f"[red]build error: {record.error}[/red]")
         return 0
+    if not REGISTRY.records:
+        console.print(f"no generated kernels: backend {args.backend!r} runs the ops' reference bodies here (on the "
+                      "CPU, 'auto' compiles them into Inductor's C++ code); pass --backend triton or --backend "
+                      "tilelang to build the GPU kernels (interpreted on the CPU)")
+        return 0
     table = Table(title=f"kernels (disk cache: {cache_dir()})")
     for col in ("name", "backend", "op", "source hash", "launches", "last launch", "regions"):
         table.add_column(col, overflow="fold")
