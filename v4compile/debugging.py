@@ -15,7 +15,7 @@ from torch import fx
 from .backend import make_backend
 from .golden import Agreement, GoldenFolder
 from .model import DeepSeekV4
-from .optimize import OptimizedModel, optimize, resolve_backend
+from .optimize import OptimizedModel, model_device, optimize, resolve_backend
 from .passes import build_passes
 from .passes.base import Match
 from .passes.manager import PassManager
@@ -87,7 +87,7 @@ def bisect(model: DeepSeekV4, *, backend: str = "auto", tolerance: float = 1e-2,
     exceed ``tolerance``, by binary search over optimization fuel on one captured graph."""
     if entry not in ("forward", "decode"):
         raise ValueError(f"bisect entry must be 'forward' or 'decode', got {entry!r}")
-    device = next(model.parameters()).device
+    device = model_device(model)
     kernel_backend = resolve_backend(backend, device)
     ids = sample_ids(model).to(device)
     captured: list[fx.GraphModule] = []

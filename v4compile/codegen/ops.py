@@ -64,11 +64,22 @@ def _run(op: str, backend: str, *args: Any) -> Any:
 _TENSOR = object()
 """Stands in ``ctx.args`` for an input saved through ``save_for_backward``."""
 
+_REFERENCE_BODIES: dict[Any, tuple[str, int]] = {}
+"""Each custom op's overload -> its reference body's name and how many of the op's leading inputs that body
+takes (-1: all but the trailing backend); filled as the ops are defined below."""
+
+
+def _reference_body(custom_op: Any, op: str, reference_inputs: int = -1) -> None:
+    """Records that ``custom_op`` computes the reference body ``op`` on its leading ``reference_inputs``."""
+    _REFERENCE_BODIES[custom_op._opoverload] = (op, reference_inputs)
+
 
 def _reference_backward(custom_op: Any, op: str, reference_inputs: int = -1) -> None:
-    """Registers the backward of ``custom_op``: its reference body ``op`` recomputed under autograd on the op's
-    inputs but the trailing backend (``reference_inputs``: how many of the leading inputs the reference takes);
-    one gradient per input, None for non-tensors and for tensors that need none."""
+    """Records ``custom_op``'s reference body (``_reference_body``) and registers its backward: that body ``op``
+    recomputed under autograd on the op's inputs but the trailing backend (``reference_inputs``: how many of the
+    leading inputs the reference takes); one gradient per input, None for non-tensors and for tensors that need
+    none."""
+    _reference_body(custom_op, op, reference_inputs)
 
     def setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.save_for_backward(*[a for a in inputs if isinstance(a, torch.Tensor)])
@@ -188,6 +199,7 @@ def _topk_backward(ctx, grad_values, grad_ids):
 
 
 radix_topk.register_autograd(_topk_backward, setup_context=_topk_setup)
+_reference_body(radix_topk, "radix_topk")
 
 
 # ----------------------------------------------------------------------------- sparse_attention
@@ -304,16 +316,6 @@ _reference_backward(moe_experts, "moe_experts")
 
 
 # ----------------------------------------------------------------------------- reference bodies for Inductor
-_REFERENCE_BODIES: dict[str, tuple[str, int]] = {
-    "compressor_pool": ("compressor_pool", -1), "compressor_pool_state": ("compressor_pool_state", -1),
-    "compressor_entries": ("compressor_entries", -1), "compressor_entry_state": ("compressor_entry_state", -1),
-    "radix_topk": ("radix_topk", -1), "sparse_attention": ("sparse_attention", -1),
-    "sparse_attention_padded": ("sparse_attention", 5), "indexer_scores": ("indexer_scores", -1),
-    "mhc_pre": ("mhc_pre", -1), "mhc_post": ("mhc_post", -1), "moe_experts": ("moe_experts", -1)}
-"""Each custom op's reference body and how many of its leading inputs that body takes (-1: all but the
-trailing backend)."""
-
-
 def reference_decompositions() -> dict[Any, Callable[..., Any]]:
     """Each custom op decomposed into its reference body: handed to Inductor, the ops' math becomes part of
     Inductor's own generated code (C++ on the CPU) instead of an opaque call back into eager PyTorch."""
@@ -321,5 +323,4 @@ def reference_decompositions() -> dict[Any, Callable[..., Any]]:
     def body(name: str, inputs: int) -> Callable[..., Any]:
         return lambda *args: getattr(reference, name)(*args[:inputs])
 
-    return {getattr(torch.ops.v4compile, op).default: body(name, inputs)
-            for op, (name, inputs) in _REFERENCE_BODIES.items()}
+    return {op: body(name, inputs) for op, (name, inputs) in _REFERENCE_BODIES.items()}
