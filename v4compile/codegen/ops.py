@@ -37,7 +37,16 @@ def _fast_impl(op: str, backend: str) -> Callable[..., Any] | None:
         from .tilelang import IMPLEMENTATIONS as tilelang_impls
 
         return tilelang_impls[op]
-    from .triton import compressor, compressor_finish, indexer_scores, mhc, moe, radix_topk, sparse_attention
+    from .triton import (
+        compressor,
+        compressor_finish,
+        fp8_linear,
+        indexer_scores,
+        mhc,
+        moe,
+        radix_topk,
+        sparse_attention,
+    )
 
     return {"compressor_pool": compressor.compressor_pool,
             "compressor_entries": compressor_finish.compressor_entries,
@@ -48,7 +57,8 @@ def _fast_impl(op: str, backend: str) -> Callable[..., Any] | None:
             "sparse_attention": sparse_attention.sparse_attention,
             "mhc_pre": mhc.mhc_pre,
             "mhc_post": mhc.mhc_post,
-            "moe_experts": moe.moe_experts}[op]
+            "moe_experts": moe.moe_experts,
+            "fp8_linear": fp8_linear.fp8_linear}[op]
 
 
 def _run(op: str, backend: str, *args: Any) -> Any:
@@ -313,6 +323,25 @@ def _(x, weights, ids, first, w1, w3, w2, s1, s3, s2, fmt, pow2, limit, backend)
 
 
 _reference_backward(moe_experts, "moe_experts")
+
+
+# ----------------------------------------------------------------------------- fp8_linear
+@torch.library.custom_op("v4compile::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool, backend: str) -> torch.Tensor:
+    """The model's FP8 ``Linear`` on x [..., K]: activation to e4m3 per 128 along K, times the e4m3 weight [N, K]
+    with its e8m0 128x128 block ``scale``, accumulated in fp32 -> [..., N] fp32 (before the bf16 rounding)."""
+    from .triton.fp8_linear import check_fp8_weight
+
+    check_fp8_weight("v4compile::fp8_linear", x, weight, scale)
+    return _run("fp8_linear", backend, x, weight, scale, pow2)
+
+
+@fp8_linear.register_fake
+def _(x, weight, scale, pow2, backend):
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+
+
+_reference_backward(fp8_linear, "fp8_linear")
 
 
 # ----------------------------------------------------------------------------- reference bodies for Inductor

@@ -7,6 +7,7 @@ from functools import lru_cache
 import torch
 from torch.func import functional_call
 
+from ..model import quant
 from ..model.compressor import finish_entries, pool_blocks
 from ..model.indexer import index_scores as indexer_scores  # noqa: F401  (the op's reference body)
 from ..model.mhc import hc_post as mhc_post  # noqa: F401  (the op's reference body)
@@ -83,3 +84,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     if fmt != "bf16":
         params.update({"w1.scale": s1, "w3.scale": s3, "w2.scale": s2})
     return functional_call(module, params, (x, weights, ids))
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """The model's FP8 ``Linear`` before its bf16 rounding (``Linear.unrounded``): fp32 [..., N]."""
+    xq = quant.fp8_simulate(x, quant.FP8_ACT_BLOCK, pow2).float()
+    return torch.nn.functional.linear(xq, quant.dequant_fp8_weight(weight, scale))

@@ -1,0 +1,68 @@
+"""The FP8 linear kernel against the model's FP8 ``Linear`` on random inputs (CPU: Triton interpreter).
+
+Tolerance: the kernel's activation codes and scales equal ``quant.fp8_simulate`` bit for bit and its products are
+exact, so only the fp32 summation order differs: the output rounded to bf16, as the model rounds it, is equal
+but for rare one-ulp flips, and the fp32 difference stays below 1e-5 of max|y|.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v4compile.codegen import ops
+from v4compile.codegen.triton.fp8_linear import fp8_linear
+from v4compile.model import quant
+from v4compile.model.linear import Linear
+
+
+def fp8_layer(k: int, n: int, pow2: bool, seed: int = 0) -> Linear:
+    """The model's FP8 linear with a seeded normal / sqrt(in) weight quantized the checkpoint's way."""
+    layer = Linear(k, n, "fp8", pow2)
+    gen = torch.Generator().manual_seed(seed)
+    weight, scale = quant.quantize_fp8_weight(torch.randn(n, k, generator=gen) / k**0.5)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.scale.copy_(scale)
+    return layer
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 200, 256), (7, 130, 384), (40, 64, 128)])
+def test_matches_the_models_fp8_linear(rows: int, n: int, k: int, pow2: bool) -> None:
+    layer = fp8_layer(k, n, pow2)
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(2, rows, k, generator=gen) * 4).bfloat16()
+    x[0, 0, :128] *= 1e-6  # a block under the amax floor
+    expected = layer.unrounded(x)
+    out = fp8_linear(x, layer.weight, layer.scale, pow2)
+    assert out.shape == (2, rows, n) and out.dtype == torch.float32
+    assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
+    flips = (out.bfloat16() != layer(x)).float().mean().item()
+    assert flips <= 0.01
+
+
+def test_op_runs_the_kernel_and_its_reference_alike() -> None:
+    layer = fp8_layer(256, 96, True)
+    x = torch.randn(3, 256).bfloat16()
+    fast = ops.fp8_linear(x, layer.weight, layer.scale, True, "triton")
+    ref = ops.fp8_linear(x, layer.weight, layer.scale, True, "reference")
+    assert torch.equal(ref, layer.unrounded(x))
+    assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_gradient_is_the_models() -> None:
+    layer = fp8_layer(128, 64, True)
+    x = torch.randn(4, 128, requires_grad=True)
+    ops.fp8_linear(x, layer.weight, layer.scale, True, "triton").sum().backward()
+    y = x.detach().requires_grad_()
+    layer.unrounded(y).sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, y.grad)
+
+
+def test_bad_scale_shape_names_the_tensor() -> None:
+    layer = fp8_layer(256, 130, True)
+    with pytest.raises(ValueError, match=r"block scales of shape \(2, 2\).*got \(1, 2\)"):
+        ops.fp8_linear(torch.randn(1, 256), layer.weight, layer.scale[:1], True, "triton")
+    with pytest.raises(ValueError, match="activation has 128 features"):
+        ops.fp8_linear(torch.randn(1, 128), layer.weight, layer.scale, True, "triton")

@@ -1,0 +1,167 @@
+"""The model's FP8 ``Linear`` in Triton: e4m3 activations times e4m3 weights read as stored, fp32 per K block.
+
+Two launches:
+1. ``fp8_quant``: each row's 128-wide K blocks to e4m3 codes (one byte each) and one fp32 scale per block,
+   exactly as ``quant.fp8_simulate`` (amax floored at 1e-4, over 448 correctly rounded, rounded up to a power of
+   two when asked, nearest-even rounding by integer arithmetic).
+2. ``fp8_gemm``: per (row tile, column tile) and 128-wide K block, the codes' product with the weight's
+   e4m3 codes, promoted to fp32 and times the activation's and the weight block's scales, summed over K in fp32.
+   With power-of-two scales on the GPU the product is a native FP8 tensor-core dot (``FP8_DOT``): products of
+   e4m3 values are exact, so this is the model's simulation up to summation order. Otherwise the activation
+   is the model's bf16 ``q * scale`` (not an e4m3 value) and the weight ``e4m3 * scale`` (exact in bf16): a bf16
+   dot on the GPU, and under the CPU interpreter (no float8 there) fp32 operands with a broadcast product.
+
+The weight stays one byte an element: nothing is dequantized to memory. The output is fp32 ([M, N], before the
+model's rounding to bf16, which a row-parallel layer does after its all-reduce).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..registry import REGISTRY
+from .compressor import triton_next_pow2
+from .formats import FORMATS_SOURCE
+from .launch import ROUND_BF16, load_triton_module, lowered_text
+
+BLOCK = 128
+SMS = 132
+
+_SOURCE = '''
+import triton
+import triton.language as tl
+
+DOT = tl.{dot}
+''' + ROUND_BF16 + FORMATS_SOURCE + '''
+
+
+@triton.jit
+def _e4m3_code(v):
+    # the e4m3 byte of a value already on the e4m3 grid (|v| <= 448)
+    bits = v.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    e = (mag >> 23) - 127
+    sub = (mag.to(tl.float32, bitcast=True) * 512.0).to(tl.int32)
+    code = tl.where(e < -6, sub, ((e + 7) << 3) | ((mag >> 20) & 7))
+    return code | tl.where(bits < 0, 128, 0)
+
+
+@triton.jit
+def fp8_quant(X, CODES, SCALES, rows, s_x, s_c, s_s, POW2: tl.constexpr, BR: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * 128 + tl.arange(0, 128)
+    rm = r < rows
+    x = tl.load(X + r[:, None] * s_x + c[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), 448.0)
+    if POW2:
+        floor = _exp2i(((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)
+        scale = tl.where(floor == scale, scale, floor * 2.0)
+    q = _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0))
+    tl.store(CODES + r[:, None] * s_c + c[None, :], _e4m3_code(q).to(tl.uint8), mask=rm[:, None])
+    tl.store(SCALES + r * s_s + tl.program_id(1), scale, mask=rm)
+
+
+@triton.jit
+def fp8_gemm(CODES, SCALES, W, S, OUT, M, N, K, s_c, s_s, s_w, s_ws, s_o, POW2: tl.constexpr,
+             FP8_DOT: tl.constexpr, TL_DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mm = m < M
+    nm = n < N
+    j = tl.arange(0, 128)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, 128):
+        k = k0 + j
+        a = tl.load(CODES + m[:, None] * s_c + k[None, :], mask=mm[:, None], other=0)
+        w = tl.load(W + n[:, None] * s_w + k[None, :], mask=nm[:, None], other=0)
+        sa = tl.load(SCALES + m * s_s + k0 // 128, mask=mm, other=0.0)
+        sw = _e8m0(tl.load(S + (n // 128) * s_ws + k0 // 128, mask=nm, other=127))
+        if FP8_DOT:
+            part = tl.dot(a.to(tl.float8e4nv, bitcast=True), tl.trans(w.to(tl.float8e4nv, bitcast=True)))
+            acc += part * sa[:, None] * sw[None, :]
+        else:
+            av = _e4m3(a) * sa[:, None]
+            if not POW2:
+                av = _round_bf16(av)
+            wv = _e4m3(w) * sw[:, None]
+            if TL_DOT:
+                acc += tl.dot(av.to(DOT), tl.trans(wv.to(DOT)), input_precision="ieee")
+            else:
+                acc += tl.sum(av[:, None, :] * wv[None, :, :], axis=2)
+    tl.store(OUT + m[:, None] * s_o + n[None, :], acc, mask=mm[:, None] & nm[None, :])
+'''
+
+
+def kernel_name() -> str:
+    """Stable kernel name."""
+    return "fp8_linear.triton"
+
+
+def launch_config(m: int, n: int, cuda: bool) -> dict[str, int]:
+    """Row tiles of 16 (the tensor cores' minimum) while decoding and 128 for prefill; column tiles as wide as
+    leave at least two programs per SM (decode reads the weight once, so it needs every SM streaming), down to
+    16; the interpreter gets few, large programs."""
+    if not cuda:
+        return {"BM": min(64, triton_next_pow2(max(m, 1))), "BN": min(64, triton_next_pow2(n)), "BR": 64,
+                "num_warps": 4, "num_stages": 1}
+    bm = 16 if m <= 16 else 64 if m <= 64 else 128
+    bn = 128
+    while bn > 16 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < 2 * SMS:
+        bn //= 2
+    warps = 8 if bm == 128 and bn == 128 else 4
+    return {"BM": bm, "BN": bn, "BR": 16, "num_warps": warps, "num_stages": 4 if bm <= 64 else 3}
+
+
+def _module(cuda: bool) -> object:
+    return REGISTRY.build(kernel_name(), "triton", "v4compile::fp8_linear",
+                          lambda: _SOURCE.format(dot="bfloat16" if cuda else "float32"),
+                          lambda path: load_triton_module(path, not cuda), key=cuda)
+
+
+def check_fp8_weight(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    """Raises a ValueError naming ``name`` when the activation, weight and block scales do not fit together."""
+    n, k = weight.shape
+    blocks = (-(-n // BLOCK), -(-k // BLOCK))
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{name}: FP8 weight must be float8_e4m3fn, got {weight.dtype}")
+    if tuple(scale.shape) != blocks:
+        raise ValueError(f"{name}: FP8 weight {tuple(weight.shape)} needs block scales of shape {blocks} "
+                         f"(one per {BLOCK}x{BLOCK}), got {tuple(scale.shape)}")
+    if k % BLOCK:
+        raise ValueError(f"{name}: in_features {k} is not a multiple of the activation block {BLOCK}")
+    if x.shape[-1] != k:
+        raise ValueError(f"{name}: activation has {x.shape[-1]} features, the weight takes {k}")
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool,
+               config: dict[str, int] | None = None) -> torch.Tensor:
+    """Triton body of ``v4compile::fp8_linear``: x [..., K] times the e4m3 weight [N, K] with e8m0 block scales
+    [N/128, K/128] -> [..., N] fp32. ``config`` overrides the launch configuration (benchmark sweeps)."""
+    check_fp8_weight("fp8_linear", x, weight, scale)
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = weight.shape[0]
+    rows = x.reshape(-1, k).contiguous()
+    m = rows.shape[0]
+    cuda = x.device.type == "cuda"
+    module = _module(cuda)
+    config = config or launch_config(m, n, cuda)
+    codes = torch.empty(m, k, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(m, k // BLOCK, dtype=torch.float32, device=x.device)
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    w, s = weight.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)
+
+    def run() -> None:
+        module.fp8_quant[(triton.cdiv(m, config["BR"]), k // BLOCK)](
+            rows, codes, scales, m, rows.stride(0), codes.stride(0), scales.stride(0), POW2=pow2, BR=config["BR"])
+        module.fp8_gemm[(triton.cdiv(m, config["BM"]), triton.cdiv(n, config["BN"]))](
+            codes, scales, w, s, out, m, n, k, codes.stride(0), scales.stride(0), w.stride(0), s.stride(0),
+            out.stride(0), POW2=pow2, FP8_DOT=cuda and pow2, TL_DOT=cuda, BM=config["BM"], BN=config["BN"],
+            num_warps=config["num_warps"], num_stages=config["num_stages"])
+
+    if m:
+        REGISTRY.launch(kernel_name(), run)
+        REGISTRY.note_launch(kernel_name(), rows=m, n=n, k=k, **config)
+        if cuda and REGISTRY.records[kernel_name()].lowered is None:
+            REGISTRY.set_lowered(kernel_name(), lowered_text(module.fp8_gemm) or "")
+    return out.reshape(*lead, n)
