@@ -49,4 +49,13 @@ def _e4m3(b):
 def _e8m0(u):
     u = u.to(tl.int32)
     return tl.where(u == 0, 0x400000, u << 23).to(tl.float32, bitcast=True)
+
+@triton.jit
+def _act_scale(x, POW2: tl.constexpr):
+    # each row's e4m3 activation scale: amax (floored at 1e-4) over 448, rounded up to a power of two if POW2
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), 448.0)
+    if POW2:
+        floor = _exp2i(((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)
+        scale = tl.where(floor == scale, scale, floor * 2.0)
+    return scale
 '''

@@ -53,10 +53,7 @@ def fp8_quant(X, CODES, SCALES, rows, s_x, s_c, s_s, POW2: tl.constexpr, BR: tl.
     c = tl.program_id(1) * 128 + tl.arange(0, 128)
     rm = r < rows
     x = tl.load(X + r[:, None] * s_x + c[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), 448.0)
-    if POW2:
-        floor = _exp2i(((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)
-        scale = tl.where(floor == scale, scale, floor * 2.0)
+    scale = _act_scale(x, POW2)
     q = _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0))
     tl.store(CODES + r[:, None] * s_c + c[None, :], _e4m3_code(q).to(tl.uint8), mask=rm[:, None])
     tl.store(SCALES + r * s_s + tl.program_id(1), scale, mask=rm)

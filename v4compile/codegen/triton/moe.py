@@ -91,10 +91,7 @@ def moe_quant(X, OUT, COUNTS, rows, n_local, s_x, s_o, POW2: tl.constexpr, PERMU
     c = tl.program_id(1) * 128 + j
     rm = r < rows
     x = tl.load(X + r[:, None] * s_x + c[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), 448.0)
-    if POW2:
-        floor = _exp2i(((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)
-        scale = tl.where(floor == scale, scale, floor * 2.0)
+    scale = _act_scale(x, POW2)
     v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
     y = _round_bf16(_round_e4m3(v) * scale[:, None])
     if PERMUTE:
