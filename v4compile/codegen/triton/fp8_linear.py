@@ -6,8 +6,13 @@ Two launches:
    two when asked, nearest-even rounding by integer arithmetic).
 2. ``fp8_gemm``: per (row tile, column tile) and 128-wide K block, the codes' product with the weight's
    e4m3 codes, promoted to fp32 and times the activation's and the weight block's scales, summed over K in fp32.
-   With power-of-two scales on the GPU the product is a native FP8 tensor-core dot (``FP8_DOT``): products of
-   e4m3 values are exact, so this is the model's simulation up to summation order. Otherwise the activation
+   With power-of-two scales on the GPU the product is a native FP8 tensor-core dot (``FP8_DOT``). Its products
+   are exact but Hopper's FP8 MMA keeps only about 14 mantissa bits while it sums a 128-wide block (the reason
+   the official kernels promote to fp32 per block, as this one does): about 1e-4 normwise from the model's
+   simulation, a few percent one-ulp flips of the bf16 output. ``FP8_DOT=0`` instead converts the codes in
+   registers to the exact bf16 operands of an fp32-accumulating bf16 dot: the simulation up to summation order
+   (1e-5), but decoding codes in registers makes it about 5x slower on the H200 (benchmarks/gemm.py); the
+   weight is read as one byte either way. Otherwise the activation
    is the model's bf16 ``q * scale`` (not an e4m3 value) and the weight ``e4m3 * scale`` (exact in bf16): a bf16
    dot on the GPU, and under the CPU interpreter (no float8 there) fp32 operands with a broadcast product.
 
@@ -70,15 +75,15 @@ def fp8_gemm(CODES, SCALES, W, S, OUT, M, N, K, s_c, s_s, s_w, s_ws, s_o, POW2: 
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, 128):
         k = k0 + j
-        a = tl.load(CODES + m[:, None] * s_c + k[None, :], mask=mm[:, None], other=0)
-        w = tl.load(W + n[:, None] * s_w + k[None, :], mask=nm[:, None], other=0)
+        codes = tl.load(CODES + m[:, None] * s_c + k[None, :], mask=mm[:, None], other=0)
         sa = tl.load(SCALES + m * s_s + k0 // 128, mask=mm, other=0.0)
+        w = tl.load(W + n[:, None] * s_w + k[None, :], mask=nm[:, None], other=0)
         sw = _e8m0(tl.load(S + (n // 128) * s_ws + k0 // 128, mask=nm, other=127))
         if FP8_DOT:
-            part = tl.dot(a.to(tl.float8e4nv, bitcast=True), tl.trans(w.to(tl.float8e4nv, bitcast=True)))
+            part = tl.dot(codes.to(tl.float8e4nv, bitcast=True), tl.trans(w.to(tl.float8e4nv, bitcast=True)))
             acc += part * sa[:, None] * sw[None, :]
         else:
-            av = _e4m3(a) * sa[:, None]
+            av = _e4m3(codes) * sa[:, None]
             if not POW2:
                 av = _round_bf16(av)
             wv = _e4m3(w) * sw[:, None]
@@ -98,16 +103,16 @@ def kernel_name() -> str:
 def launch_config(m: int, n: int, cuda: bool) -> dict[str, int]:
     """Row tiles of 16 (the tensor cores' minimum) while decoding and 128 for prefill; column tiles as wide as
     leave at least two programs per SM (decode reads the weight once, so it needs every SM streaming), down to
-    16; the interpreter gets few, large programs."""
+    16; FP8 tensor-core dots where the scales allow; the interpreter gets few, large programs."""
     if not cuda:
         return {"BM": min(64, triton_next_pow2(max(m, 1))), "BN": min(64, triton_next_pow2(n)), "BR": 64,
-                "num_warps": 4, "num_stages": 1}
+                "num_warps": 4, "num_stages": 1, "FP8_DOT": 0}
     bm = 16 if m <= 16 else 64 if m <= 64 else 128
     bn = 128
     while bn > 16 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < 2 * SMS:
         bn //= 2
     warps = 8 if bm == 128 and bn == 128 else 4
-    return {"BM": bm, "BN": bn, "BR": 16, "num_warps": warps, "num_stages": 4 if bm <= 64 else 3}
+    return {"BM": bm, "BN": bn, "BR": 16, "num_warps": warps, "num_stages": 4 if bm <= 64 else 3, "FP8_DOT": 1}
 
 
 def _module(cuda: bool) -> object:
@@ -153,7 +158,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2:
             rows, codes, scales, m, rows.stride(0), codes.stride(0), scales.stride(0), POW2=pow2, BR=config["BR"])
         module.fp8_gemm[(triton.cdiv(m, config["BM"]), triton.cdiv(n, config["BN"]))](
             codes, scales, w, s, out, m, n, k, codes.stride(0), scales.stride(0), w.stride(0), s.stride(0),
-            out.stride(0), POW2=pow2, FP8_DOT=cuda and pow2, TL_DOT=cuda, BM=config["BM"], BN=config["BN"],
+            out.stride(0), POW2=pow2,
+            FP8_DOT=cuda and pow2 and bool(config["FP8_DOT"]), TL_DOT=cuda, BM=config["BM"], BN=config["BN"],
             num_warps=config["num_warps"], num_stages=config["num_stages"])
 
     if m:

@@ -1,0 +1,161 @@
+"""GEMM table: every FP8 projection (N, K) of the V4-Flash slice at the decode and prefill row counts, ours
+(``v4compile::fp8_linear``, activation quantisation included; its FP8 tensor-core dot and, as "bf16 dot", its
+exact variant) against its floor, ``torch._scaled_mm`` and the
+path the compiled model took before the FP8 pass (Inductor: dequantize the weight, fp32 GEMM).
+
+Floor: the larger of the bytes the call must move (weight codes + scales, activations in, fp32 out) over the
+measured copy rate and its FLOPs over the measured FP8 tensor-core rate. Every time is a CUDA-graph replay (a
+decode row: per call inside a 20-call graph). Run on the GPU machine from the repository root::
+
+    PYTHONPATH=. python3 benchmarks/gemm.py [--rows 1,16,64,8192] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+from headline import slice_config
+from kernels import bench, graphed, in_graph_us
+
+import v4compile
+from v4compile.codegen import ops
+from v4compile.codegen.triton.fp8_linear import fp8_linear, launch_config
+from v4compile.model import quant
+from v4compile.model.linear import Linear
+
+
+@dataclass
+class Row:
+    layer: str
+    m: int
+    n: int
+    k: int
+    ours_us: float
+    exact_us: float
+    floor_us: float
+    scaled_mm_us: float | None
+    inductor_us: float
+    config: str
+    rel_err: float
+
+    @property
+    def pct_of_floor(self) -> float:
+        return 100.0 * self.floor_us / self.ours_us
+
+
+def fp8_shapes(experts: int) -> dict[tuple[int, int], list[str]]:
+    """(N, K) of every FP8 linear of the 4-layer slice -> the layer names that have it."""
+    model = v4compile.DeepSeekV4(slice_config(4, 1024, False, experts), seed=None, device="meta")
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.fmt == "fp8":
+            short = ".".join(p for p in name.split(".")[2:] if not p.isdigit())
+            names = shapes.setdefault((module.out_features, module.in_features), [])
+            if short not in names:
+                names.append(short)
+    return shapes
+
+
+def ceilings() -> dict[str, float]:
+    """Measured device copy rate (bytes read + written per s) and FP8 tensor-core FLOP/s (per-tensor scales)."""
+    src = torch.randn(1 << 29, device="cuda")
+    dst = torch.empty_like(src)
+    copy = 2 * src.nbytes / (bench(lambda: dst.copy_(src), False) * 1e-6)
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    us = bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), False)
+    return {"copy_bytes_per_s": copy, "fp8_flop_per_s": 2 * n**3 / (us * 1e-6)}
+
+
+def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tuple[str, object] | None:
+    """A ``torch._scaled_mm`` call for the layer: the model's block scales (1x128 activation, 128x128 weight)
+    where this torch supports them, else per-row scales (not the model's numerics: a speed reference); None if
+    neither runs."""
+    m, k = x.shape
+    codes = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    wt = weight.t()
+    sa = torch.ones(m, k // 128, device="cuda")
+    sw = scale.float()
+    attempts = [("blockwise", lambda: torch._scaled_mm(codes, wt, sa.t().contiguous().t(), sw.t().contiguous(),
+                                                      out_dtype=torch.bfloat16)),
+                ("blockwise", lambda: torch._scaled_mm(codes, wt, sa.t().contiguous().t(), sw,
+                                                      out_dtype=torch.bfloat16)),
+                ("rowwise", lambda: torch._scaled_mm(codes, wt, torch.ones(m, 1, device="cuda"),
+                                                    torch.ones(1, weight.shape[0], device="cuda"),
+                                                    out_dtype=torch.bfloat16))]
+    for kind, call in attempts:
+        try:
+            call()
+            return kind, call
+        except (RuntimeError, ValueError):
+            continue
+    return None
+
+
+def row(layer: str, m: int, n: int, k: int, ceil: dict[str, float]) -> tuple[Row, str]:
+    """One (M, N, K): checked against the model's simulation, then timed."""
+    gen = torch.Generator(device="cuda").manual_seed(m + n + k)
+    weight, scale = quant.quantize_fp8_weight(torch.randn(n, k, generator=gen, device="cuda") / k**0.5)
+    x = (torch.randn(m, k, generator=gen, device="cuda") * 3).bfloat16()
+    model = Linear(k, n, "fp8", True).cuda()
+    with torch.no_grad():
+        model.weight.copy_(weight)
+        model.scale.copy_(scale)
+        want = model.unrounded(x)
+        got = ops.fp8_linear(x, weight, scale, True, "triton")
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        if not err < 5e-4:
+            raise AssertionError(f"fp8_linear {m}x{n}x{k}: relative error {err:.2e}")
+        timer = (lambda f: in_graph_us(f, False)) if m <= 64 else (lambda f: bench(graphed(f), False))
+        ours = timer(lambda: ops.fp8_linear(x, weight, scale, True, "triton"))
+        exact_config = launch_config(m, n, True) | {"FP8_DOT": 0}
+        exact = timer(lambda: fp8_linear(x, weight, scale, True, exact_config))
+        compiled = torch.compile(model.unrounded, dynamic=False)
+        compiled(x)
+        inductor = timer(lambda: compiled(x))
+        found = scaled_mm(x, weight, scale)
+        theirs = timer(found[1]) if found else None
+    moved = n * k + scale.numel() + m * k * 2 + m * n * 4
+    floor = 1e6 * max(moved / ceil["copy_bytes_per_s"], 2 * m * n * k / ceil["fp8_flop_per_s"])
+    config = ",".join(f"{a}={b}" for a, b in launch_config(m, n, True).items())
+    timed = Row(layer, m, n, k, round(ours, 1), round(exact, 1), round(floor, 1),
+                None if theirs is None else round(theirs, 1), round(inductor, 1), config, err)
+    return timed, found[0] if found else "none"
+
+
+def main() -> None:
+    """Measures every shape and prints the table last."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,16,64,8192")
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ceil = ceilings()
+    rows, kinds = [], set()
+    for (n, k), names in fp8_shapes(args.experts).items():
+        for m in (int(r) for r in args.rows.split(",")):
+            r, kind = row("/".join(names), m, n, k, ceil)
+            rows.append(r)
+            kinds.add(kind)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"ceilings": ceil, "scaled_mm": sorted(kinds),
+                       "rows": [asdict(r) | {"pct_of_floor": r.pct_of_floor} for r in rows]}, f, indent=1)
+    print(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, FP8 {ceil['fp8_flop_per_s'] / 1e12:.0f} TFLOP/s; "
+          f"torch._scaled_mm scaling used: {sorted(kinds)}")
+    print(f"{'layer':<28} {'M':>5} {'N':>6} {'K':>5} {'ours us':>9} {'bf16 dot':>9} {'floor us':>9} {'% floor':>8} "
+          f"{'scaled_mm':>10} {'inductor':>9}  config")
+    for r in rows:
+        theirs = f"{r.scaled_mm_us:.1f}" if r.scaled_mm_us is not None else "-"
+        print(f"{r.layer[:28]:<28} {r.m:>5} {r.n:>6} {r.k:>5} {r.ours_us:>9.1f} {r.exact_us:>9.1f} {r.floor_us:>9.1f} "
+              f"{r.pct_of_floor:>7.0f}% {theirs:>10} {r.inductor_us:>9.1f}  {r.config}")
+
+
+if __name__ == "__main__":
+    main()
