@@ -5,7 +5,8 @@ compiles ``v4compile.optimize``, replays decode from a CUDA graph, profiles ``--
 and sorts the GPU kernel time into categories (dense GEMM, MoE, attention, compressor, top-k, mHC, indexer,
 other). The floor: decode reads every non-routed weight byte, the routed experts that ``batch`` tokens are
 expected to choose (``E * (1 - (1 - k/E)^batch)`` per layer) and the KV the step attends to, over the measured copy
-rate; prefill is its matmul FLOPs over the measured bf16 tensor-core rate. ``--turn`` / ``--turns`` let
+rate; prefill is its matmul FLOPs over the measured FP8 tensor-core rate. A prefill computes the head at its last
+position only (``--logits last``, as the runtime samples; ``all`` for scoring). ``--turn`` / ``--turns`` let
 several phases compile at once and profile one at a time (each waits for the file of its turn)::
 
     PYTHONPATH=$PWD python3 benchmarks/step_profile.py --phase "decode b1" --experts 16
@@ -25,10 +26,10 @@ from kernels import graphed
 import v4compile
 
 COPY_RATE = 4.25e12  # bytes/s, device-to-device copy measured on the H200 (shared/device/README.md)
-BF16_RATE = 790e12  # FLOP/s, bf16 dense matmul measured there
+FP8_RATE = 1256e12  # FLOP/s, FP8 torch._scaled_mm at 8192^3 measured there (benchmarks/gemm.py)
 CATEGORIES = (("MoE", ("moe",)), ("attention", ("sparse_attention", "attention")), ("compressor", ("compressor",)),
               ("top-k", ("radix", "topk", "sort")), ("mHC", ("mhc",)), ("indexer", ("indexer",)),
-              ("dense GEMM", ("gemm", "gemv", "matmul", "_mm", "cutlass", "xmma", "splitk")))
+              ("dense GEMM", ("gemm", "gemv", "matmul", "_mm", "cutlass", "xmma", "splitk", "fp8_quant")))
 
 
 def category(kernel: str) -> str:
@@ -61,20 +62,23 @@ def decode_floor(model: v4compile.DeepSeekV4, batch: int, context: int) -> float
     return (rest + experts + batch * kv) / COPY_RATE
 
 
-def prefill_floor(model: v4compile.DeepSeekV4, tokens: int) -> float:
-    """Seconds: the prefill's matmul FLOPs (weights once per token, routed experts k times, attention over the
-    window and the selected entries) over the bf16 tensor-core rate."""
+def prefill_floor(model: v4compile.DeepSeekV4, tokens: int, last: bool) -> float:
+    """Seconds: the prefill's matmul FLOPs (weights once per token, the output head once per token or, ``last``,
+    once; routed experts k times, attention over the window and the selected entries) over the measured FP8
+    tensor-core rate."""
     c = model.config
     routed, _ = _expert_bytes(model)
     params = sum(p.numel() * (2 if p.dtype == torch.int8 else 1) for n, p in model.state_dict().items()
-                 if n.endswith("weight") and ".experts." not in n and "embed" not in n)
+                 if n.endswith("weight") and ".experts." not in n and "embed" not in n
+                 and not (last and n == "head.weight"))
     expert_params = sum(p.numel() * (2 if p.dtype == torch.int8 else 1) for n, p in model.state_dict().items()
                         if ".experts." in n and n.endswith("weight"))
     flops = 2 * tokens * (params + expert_params * c.n_activated_experts / c.n_routed_experts)
+    flops += 2 * model.head.weight.numel() if last else 0
     for ratio in c.layer_ratios:
         keys = c.window_size + (min(c.index_topk, tokens // 4) if ratio == 4 else tokens // 128 if ratio else 0)
         flops += 4 * tokens * keys * c.n_heads * c.head_dim
-    return flops / BF16_RATE
+    return flops / FP8_RATE
 
 
 def main() -> None:
@@ -87,6 +91,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--logits", choices=("last", "all"), default="last",
+                        help="prefill: the head on the last position (serving, as the runtime samples) or on all "
+                             "(scoring)")
     parser.add_argument("--turn", type=int, default=0)
     parser.add_argument("--turns", default="", help="folder of turn files (empty: profile at once)")
     args = parser.parse_args()
@@ -106,9 +113,12 @@ def main() -> None:
         else:
             ids = torch.randint(0, model.config.vocab_size, (1, size), device=args.device)
             cache = model.new_cache(1, size + 64)
-            optimized(ids, cache=cache)
-            step = lambda: optimized(ids, cache=cache)  # noqa: E731
-            floor = prefill_floor(model, size)
+            if args.logits == "all":
+                step = lambda: optimized(ids, cache=cache)  # noqa: E731
+            else:
+                step = lambda: model.logits(optimized.hidden_states(ids, cache)[:, -1:])  # noqa: E731
+            step()
+            floor = prefill_floor(model, size, args.logits == "last")
         if args.turns:
             while not (Path(args.turns) / f"turn{args.turn}").exists():
                 time.sleep(0.5)

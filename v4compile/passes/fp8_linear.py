@@ -1,0 +1,137 @@
+"""``fp8_linear``: the model's FP8 ``Linear`` (activation simulated to e4m3 per 1x128 block, weight dequantized
+from e4m3 codes and e8m0 128x128 block scales, an fp32 matmul) becomes ``v4compile::fp8_linear``: one block-scaled
+FP8 GEMM that reads the weight as stored (one byte an element, no dequantized copy).
+
+Anchors are the matrix products (``linear``, ``matmul``, ``mm``) whose weight operand is computed from a 2-D e4m3
+tensor. Each is bound against ``Linear.unrounded`` traced to ATen for the product's activation shape and dtype
+and the weight's shape, with both scale rules (power-of-two and unrounded activation scales): the model's own
+code is the pattern, so a match computes what the model computes (up to fp32 summation order and, on the GPU's
+FP8 tensor cores, their block accumulation; see codegen/triton/fp8_linear.py) and a near-miss names the first
+operation that differs. The product is replaced; the model's rounding of it to bf16 stays in the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import lru_cache
+
+import torch
+from torch import fx
+
+from ..codegen import ops
+from ..codegen.triton.fp8_linear import BLOCK
+from ..model.linear import Linear
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, locate, shape
+from .template import Template, bind, trace
+
+aten = torch.ops.aten
+_PRODUCTS = (aten.linear, aten.matmul, aten.mm)
+
+
+def _dtype(node: object) -> torch.dtype | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _e4m3_leaf(operand: object, limit: int = 32) -> fx.Node | None:
+    """The 2-D e4m3 graph input or constant that ``operand`` is computed from, within ``limit`` nodes."""
+    if not isinstance(operand, fx.Node):
+        return None
+    seen, queue = {operand}, [operand]
+    for node in queue:
+        if node.op in ("placeholder", "get_attr") and _dtype(node) == torch.float8_e4m3fn \
+                and len(shape(node) or ()) == 2:
+            return node
+        if len(queue) < limit:
+            for a in node.all_input_nodes:
+                if a not in seen:
+                    seen.add(a)
+                    queue.append(a)
+    return None
+
+
+@lru_cache(maxsize=256)
+def _template(x_shape: tuple[int, ...], x_dtype: torch.dtype, n: int, pow2: bool) -> Template:
+    """``Linear.unrounded`` of an FP8 layer [n, K] with this scale rule, traced for x of this shape and dtype."""
+    k = x_shape[-1]
+    with torch.device("meta"):
+        layer = Linear(k, n, "fp8", pow2)
+    example = [torch.empty(x_shape, dtype=x_dtype), torch.empty(n, k, dtype=torch.float8_e4m3fn),
+               torch.empty(-(-n // BLOCK), -(-k // BLOCK), dtype=torch.float8_e8m0fnu)]
+
+    def forward(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(_Unrounded(layer), {"layer.weight": weight, "layer.scale": scale}, (x,))
+
+    return trace(forward, example)
+
+
+class _Unrounded(torch.nn.Module):
+    """``Linear.unrounded`` as a module's forward (``functional_call`` substitutes the weight and scale)."""
+
+    def __init__(self, layer: Linear) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer.unrounded(x)
+
+
+class Fp8Linear(GraphPass):
+    """The model's FP8 linear (simulated e4m3 activation times the dequantized block-scaled weight) -> one FP8 GEMM
+    over the stored weight."""
+
+    name = "fp8_linear"
+    summary = "run FP8 linear layers as one block-scaled FP8 GEMM over the stored e4m3 weight"
+    matches = ("linear(fp8_simulate(x, 1x128, scale rule), e4m3 weight * e8m0 128x128 block scales) in fp32: the "
+               "model's FP8 Linear, any activation shape, K a multiple of 128")
+    tolerance = 1e-3
+    """Products are exact; fp32 summation order differs, and Hopper's FP8 MMA sums each 128-wide block in about 14
+    mantissa bits (1.3e-4 normwise measured, tests/gpu/test_fp8_linear_gpu.py)."""
+
+    def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
+        """Matrix products whose second operand is computed from a 2-D e4m3 tensor."""
+        return [n for n in gm.graph.nodes if is_op(n, *_PRODUCTS) and len(n.args) >= 2
+                and _e4m3_leaf(n.args[1]) is not None]
+
+    def analyze(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
+        """The product bound against the model's FP8 linear, as the module docstring says."""
+        if not is_op(node, aten.linear) or len(node.args) > 2 and node.args[2] is not None:
+            raise NoMatch(f"{node.target} with an e4m3 weight is not the model's bias-free linear(x, W)")
+        x_shape, weight = shape(node.args[0]), _e4m3_leaf(node.args[1])
+        w_shape = shape(weight)
+        if x_shape is None or w_shape is None:
+            raise NoMatch("the activation or the weight has a symbolic or unknown shape")
+        n, k = w_shape
+        if k % BLOCK:
+            raise NoMatch(f"in_features {k} is not a multiple of the activation block {BLOCK}")
+        activation = _activation(node.args[0])
+        x_dtype = _dtype(activation)
+        if x_dtype is None:
+            raise NoMatch(f"the activation at {locate(node)} has no known dtype")
+        best = None
+        for pow2 in (True, False):
+            binding = bind(_template(tuple(shape(activation) or x_shape), x_dtype, n, pow2), node)
+            if binding.inputs is not None:
+                break
+            if best is None or binding.matched > best.matched:
+                best = binding
+        else:
+            raise NoMatch(f"not the model's FP8 linear [{n}, {k}] (neither scale rule): {best.reason}")
+        x, w, s = binding.inputs
+        if w is not weight:
+            raise NoMatch(f"the product's weight is not {weight.name} as stored")
+        impl = ops.implementation_backend("fp8_linear", ctx.backend)
+        details = {"rows": int(torch.Size(x_shape[:-1]).numel()), "out_features": n, "in_features": k,
+                   "pow2_scales": pow2, "weight": w.name}
+        return Rewrite(node, ops.fp8_linear, (x, w, s, pow2, ctx.backend), f"fp8_linear.{impl}", details)
+
+
+def _activation(operand: fx.Node) -> fx.Node:
+    """The tensor the product's activation was simulated from: the input of its cast to fp32 when it has one (the
+    template then starts from that dtype), else the operand itself."""
+    if is_op(operand, aten.to, aten._to_copy) and isinstance(operand.args[0], fx.Node):
+        return operand.args[0]
+    return operand
+
+
+__all__ = ["Fp8Linear"]
