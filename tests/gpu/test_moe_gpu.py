@@ -1,9 +1,11 @@
 """The MoE dispatch kernel on the GPU against the model's routed experts: every launch configuration (decode
 rows, mid-size and prefill tiles), FP4/FP8/bf16 weights, CUDA-graph capture and repeatability.
 
-Tolerance: the products are exact and only the fp32 summation order differs, but at these sizes that noise
-flips a few bf16 and e4m3 roundings of the hidden state per pair, so outputs are compared normwise: the worst
-difference within 2e-2 of max|y| (the pass's stated tolerance) and the mean difference within 1e-3 of mean|y|.
+Both product paths: FP8 tensor cores (``FP8_DOT``, power-of-two scales) and bf16 dots of dequantized registers.
+Tolerance: the products are exact and only the fp32 summation order differs (and the FP8 MMA's 14-bit sums),
+but at these sizes that noise flips a few bf16 and e4m3 roundings of the hidden state per pair, so outputs are
+compared normwise: the worst difference within 2e-2 of max|y| (the pass's stated tolerance) and the mean
+difference within 1e-3 of mean|y|.
 """
 
 from __future__ import annotations
@@ -55,17 +57,35 @@ def assert_close_normwise(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize(("fmt", "pow2", "tokens", "n_experts"), [
-    ("fp4", True, 1, 32), ("fp4", True, 64, 16), ("fp4", True, 2048, 16),
-    ("fp8", False, 40, 16),
+    ("fp4", True, 1, 32), ("fp4", True, 64, 16), ("fp4", True, 2048, 16), ("fp4", True, 7, 256),
+    ("fp8", False, 40, 16), ("fp8", True, 333, 16),
     ("bf16", False, 300, 16),
 ])
-def test_moe_kernel_matches_dense_experts_cuda(fmt: str, pow2: bool, tokens: int, n_experts: int) -> None:
+@pytest.mark.parametrize("fp8_dot", [1, 0])
+def test_moe_kernel_matches_dense_experts_cuda(fmt: str, pow2: bool, tokens: int, n_experts: int,
+                                               fp8_dot: int) -> None:
     experts = gpu_experts(n_experts, 1024, 512, fmt, pow2)
     x = torch.randn(tokens, 1024, device="cuda").bfloat16()
     args = op_args(experts, fmt, pow2, x, n_experts, 6)
+    config = moe.launch_config(tokens * 6, n_experts, tokens, 1024, 512, True)
+    if fp8_dot and config["BM"] != 16:
+        pytest.skip("FP8 dots run on 16-row tiles only (launch_config says why)")
+    config |= {"FP8_DOT": fp8_dot}
     with torch.no_grad():
-        got, want = ops.moe_experts(*args, "triton"), reference.moe_experts(*args)
+        got, want = moe.moe_experts(*args, config=config), reference.moe_experts(*args)
     assert_close_normwise(got, want)
+
+
+@pytest.mark.parametrize("tokens", [16, 300])
+def test_every_token_on_the_same_experts_cuda(tokens: int) -> None:
+    """Six experts full (every token chose them), ten empty: FP8 dots on 16-row tiles, then bf16 dots on 128."""
+    experts = gpu_experts(16, 1024, 512, "fp4", True)
+    x = torch.randn(tokens, 1024, device="cuda").bfloat16()
+    x_in, weights, ids, *rest = op_args(experts, "fp4", True, x, 16, 6)
+    ids = torch.arange(6, device="cuda").flip(0).repeat(tokens, 1)
+    with torch.no_grad():
+        got = moe.moe_experts(x_in, weights, ids, *rest)
+        assert_close_normwise(got, reference.moe_experts(x_in, weights, ids, *rest))
 
 
 def test_a_ranks_local_experts_cuda() -> None:

@@ -51,6 +51,17 @@ def _e8m0(u):
     return tl.where(u == 0, 0x400000, u << 23).to(tl.float32, bitcast=True)
 
 @triton.jit
+def _e4m3_code(v):
+    # the e4m3 byte of a value already on the e4m3 grid (|v| <= 448)
+    bits = v.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    e = (mag >> 23) - 127
+    sub = (mag.to(tl.float32, bitcast=True) * 512.0).to(tl.int32)
+    code = tl.where(e < -6, sub, ((e + 7) << 3) | ((mag >> 20) & 7))
+    return code | tl.where(bits < 0, 128, 0)
+
+
+@triton.jit
 def _act_scale(x, POW2: tl.constexpr):
     # each row's e4m3 activation scale: amax (floored at 1e-4) over 448, rounded up to a power of two if POW2
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), 448.0)

@@ -42,17 +42,6 @@ DOT = tl.{dot}
 
 
 @triton.jit
-def _e4m3_code(v):
-    # the e4m3 byte of a value already on the e4m3 grid (|v| <= 448)
-    bits = v.to(tl.int32, bitcast=True)
-    mag = bits & 0x7FFFFFFF
-    e = (mag >> 23) - 127
-    sub = (mag.to(tl.float32, bitcast=True) * 512.0).to(tl.int32)
-    code = tl.where(e < -6, sub, ((e + 7) << 3) | ((mag >> 20) & 7))
-    return code | tl.where(bits < 0, 128, 0)
-
-
-@triton.jit
 def fp8_quant(X, CODES, SCALES, rows, s_x, s_c, s_s, POW2: tl.constexpr, BR: tl.constexpr):
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     c = tl.program_id(1) * 128 + tl.arange(0, 128)
