@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from v4compile.codegen import ops
-from v4compile.codegen.triton.fp8_linear import fp8_linear
+from v4compile.codegen.triton.fp8_linear import fp8_linear, launch_config
 from v4compile.model import quant
 from v4compile.model.linear import Linear
 
@@ -40,6 +40,15 @@ def test_matches_the_models_fp8_linear(rows: int, n: int, k: int, pow2: bool) ->
     assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
     flips = (out.bfloat16() != layer(x)).float().mean().item()
     assert flips <= 0.01
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 200, 256), (20, 130, 384)])
+def test_the_fp8_tensor_core_path_runs_under_the_interpreter(rows: int, n: int, k: int) -> None:
+    layer = fp8_layer(k, n, True)
+    x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 4).bfloat16()
+    out = fp8_linear(x, layer.weight, layer.scale, True, launch_config(rows, n, False) | {"FP8_DOT": 1})
+    expected = layer.unrounded(x)
+    assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 def test_op_runs_the_kernel_and_its_reference_alike() -> None:

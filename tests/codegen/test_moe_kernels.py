@@ -115,6 +115,21 @@ def test_the_gpu_formulation_runs_under_the_interpreter(expert_sets: dict) -> No
     assert_matches(got, want)
 
 
+@pytest.mark.parametrize(("fmt", "tokens"), [("fp4", 1), ("fp4", 40), ("fp8", 9)])
+def test_the_fp8_tensor_core_path_runs_under_the_interpreter(fmt: str, tokens: int) -> None:
+    """``FP8_DOT``: e4m3 activation codes, FP4 codes placed as e4m3 bytes, one FP8 dot per scale group."""
+    experts = make_experts(fmt, True)
+    x = (torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(tokens)) * 2).bfloat16()
+    weights, ids = routing(tokens, EXPERTS, TOP_K, seed=tokens)
+    config = {**moe.launch_config(tokens * TOP_K, EXPERTS, tokens, DIM, INTER, cuda=False), "tl_dot": True,
+              "BM": 16, "FP8_DOT": 1}
+    args = (x, weights, ids, 0, *weights_of(experts), fmt, True, LIMIT)
+    with torch.no_grad():
+        got = moe.moe_experts(*args, config=config)
+        want = reference.moe_experts(*args)
+    assert_matches(got, want)
+
+
 @pytest.mark.parametrize("pow2", [True, False])
 def test_activation_quantization_is_the_models_bit_for_bit(pow2: bool) -> None:
     """e4m3 ties (odd multiples of half a quantum), subnormals, saturation, zero rows and the amax floor."""

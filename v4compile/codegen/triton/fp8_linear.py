@@ -14,7 +14,8 @@ Two launches:
    (1e-5), but decoding codes in registers makes it about 5x slower on the H200 (benchmarks/gemm.py); the
    weight is read as one byte either way. Otherwise the activation
    is the model's bf16 ``q * scale`` (not an e4m3 value) and the weight ``e4m3 * scale`` (exact in bf16): a bf16
-   dot on the GPU, and under the CPU interpreter (no float8 there) fp32 operands with a broadcast product.
+   dot on the GPU, and under the CPU interpreter fp32 operands with a broadcast product; ``FP8_DOT`` runs there
+   too when asked (the interpreter's FP8 dot is exact).
 
 The weight stays one byte an element: nothing is dequantized to memory. The output is fp32 ([M, N], before the
 model's rounding to bf16, which a row-parallel layer does after its all-reduce).
@@ -148,7 +149,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2:
         module.fp8_gemm[(triton.cdiv(m, config["BM"]), triton.cdiv(n, config["BN"]))](
             codes, scales, w, s, out, m, n, k, codes.stride(0), scales.stride(0), w.stride(0), s.stride(0),
             out.stride(0), POW2=pow2,
-            FP8_DOT=cuda and pow2 and bool(config["FP8_DOT"]), TL_DOT=cuda, BM=config["BM"], BN=config["BN"],
+            FP8_DOT=pow2 and bool(config["FP8_DOT"]), TL_DOT=cuda, BM=config["BM"], BN=config["BN"],
             num_warps=config["num_warps"], num_stages=config["num_stages"])
 
     if m:

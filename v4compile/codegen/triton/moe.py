@@ -31,7 +31,8 @@ promoted to fp32 and scaled there (Hopper's FP8 MMA sums its K in about 14 manti
 Triton's CPU interpreter cannot multiply bf16 tensors: there the operands are
 widened to fp32, with the same exact products, and multiplied by a broadcast product and sum (``tl_dot``
 False), since the interpreter's dot is numpy's unblocked matmul loop; ``tl_dot`` True runs the GPU's
-``tl.dot`` formulation there too (slower; the tests check both).
+``tl.dot`` formulation there too (slower; the tests check both), and so does ``FP8_DOT`` (the interpreter's FP8
+dot is exact).
 """
 
 from __future__ import annotations
@@ -353,7 +354,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     counts = torch.empty(n_local, dtype=torch.int32, device=device)
     order = torch.empty(pairs, dtype=torch.int32, device=device)
     slots = torch.empty(pairs, dtype=torch.int32, device=device)
-    fp8_dot = quantized and pow2 and cuda and bool(config["FP8_DOT"])
+    fp8_dot = quantized and pow2 and bool(config["FP8_DOT"])
     hidden = torch.empty(pairs, inter, dtype=torch.bfloat16, device=device)
     codes = torch.uint8 if fp8_dot else torch.bfloat16
     hidden_q = torch.empty(pairs, inter, dtype=codes, device=device) if quantized else hidden
