@@ -164,6 +164,25 @@ def shape(node: Any) -> tuple[int, ...] | None:
     return tuple(int(s) for s in val.shape)
 
 
+def dtype(node: Any) -> torch.dtype | None:
+    """The dtype of a node's traced value (None when unknown, e.g. an earlier rewrite's output)."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def ancestors(node: fx.Node, limit: int = 400) -> list[fx.Node]:
+    """The nodes ``node`` is computed from, nearest first (a walk bounded at ``limit`` nodes)."""
+    seen, queue = {node}, [node]
+    for n in queue:
+        if len(queue) >= limit:
+            break
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                queue.append(a)
+    return queue[1:]
+
+
 def only_user(node: fx.Node, why: str) -> fx.Node:
     """The single user of ``node``, or NoMatch(why)."""
     users = list(node.users)

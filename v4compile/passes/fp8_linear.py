@@ -21,33 +21,19 @@ from torch import fx
 from ..codegen import ops
 from ..codegen.triton.fp8_linear import BLOCK
 from ..model.linear import Linear
-from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, locate, shape
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, ancestors, dtype, is_op, locate, shape
 from .template import Template, bind, trace
 
 aten = torch.ops.aten
 _PRODUCTS = (aten.linear, aten.matmul, aten.mm)
 
 
-def _dtype(node: object) -> torch.dtype | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val.dtype if isinstance(val, torch.Tensor) else None
-
-
 def _e4m3_leaf(operand: object, limit: int = 32) -> fx.Node | None:
     """The 2-D e4m3 graph input or constant that ``operand`` is computed from, within ``limit`` nodes."""
     if not isinstance(operand, fx.Node):
         return None
-    seen, queue = {operand}, [operand]
-    for node in queue:
-        if node.op in ("placeholder", "get_attr") and _dtype(node) == torch.float8_e4m3fn \
-                and len(shape(node) or ()) == 2:
-            return node
-        if len(queue) < limit:
-            for a in node.all_input_nodes:
-                if a not in seen:
-                    seen.add(a)
-                    queue.append(a)
-    return None
+    return next((n for n in [operand, *ancestors(operand, limit)] if n.op in ("placeholder", "get_attr")
+                 and dtype(n) == torch.float8_e4m3fn and len(shape(n) or ()) == 2), None)
 
 
 @lru_cache(maxsize=256)
@@ -105,7 +91,7 @@ class Fp8Linear(GraphPass):
         if k % BLOCK:
             raise NoMatch(f"in_features {k} is not a multiple of the activation block {BLOCK}")
         activation = _activation(node.args[0])
-        x_dtype = _dtype(activation)
+        x_dtype = dtype(activation)
         if x_dtype is None:
             raise NoMatch(f"the activation at {locate(node)} has no known dtype")
         best = None

@@ -19,16 +19,10 @@ import torch
 from torch import fx
 
 from ..codegen import ops
-from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, shape
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, dtype, is_op, shape
 
 aten = torch.ops.aten
 END = 2**63 - 1
-
-
-def _dtype(node: object) -> torch.dtype | None:
-    """The dtype of a node's traced value (None when unknown, e.g. an earlier rewrite's output)."""
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def _dims(node: fx.Node, index: int, ndim: int) -> list[int]:
@@ -165,7 +159,7 @@ class MhcTiling(GraphPass):
         """``flatten(X, -2).float()`` -> (X, X's shape, X's dtype). X may be an earlier rewrite's output, which
         carries no shape: then the shape comes from ``flat.view(X.shape)`` of the weighted sum."""
         region.add(flat)
-        if _dtype(flat) != torch.float32:
+        if dtype(flat) != torch.float32:
             raise NoMatch("the projection is not computed in fp32")
         source = flat.args[0] if is_op(flat, aten.to, aten._to_copy) else flat
         region.add(source)
@@ -176,7 +170,7 @@ class MhcTiling(GraphPass):
         if streams is None or len(streams) < 3 or [a % len(streams) for a in source.args[1:]] not in (
                 [len(streams) - 2], [len(streams) - 2, len(streams) - 1]):
             raise NoMatch("the projected input is not vec(X): a flatten of the streams' last two dims [..., n, D]")
-        return source.args[0], streams, _dtype(source)
+        return source.args[0], streams, dtype(source)
 
     @staticmethod
     def _rms_scaled(linear: fx.Node, flat: fx.Node, region: _Region) -> tuple[fx.Node, float]:
@@ -303,10 +297,10 @@ class MhcTiling(GraphPass):
             raise NoMatch("the weighted streams are not summed over the stream axis (-2)")
         region.add(view)
         users = list(total.users)
-        if len(users) == 1 and is_op(users[0], aten.to, aten._to_copy) and _dtype(users[0]) == x_dtype:
+        if len(users) == 1 and is_op(users[0], aten.to, aten._to_copy) and dtype(users[0]) == x_dtype:
             region.add(users[0])
             return users[0]
-        if _dtype(total) != x_dtype:
+        if dtype(total) != x_dtype:
             raise NoMatch(f"y is not cast back to the streams' dtype {x_dtype}")
         return total
 
@@ -340,11 +334,11 @@ class MhcTiling(GraphPass):
         region.add(post_y, post_u, y_u)
         out = add
         users = list(add.users)
-        if len(users) == 1 and is_op(users[0], aten.to, aten._to_copy) and _dtype(users[0]) == _dtype(y_u):
+        if len(users) == 1 and is_op(users[0], aten.to, aten._to_copy) and dtype(users[0]) == dtype(y_u):
             out = users[0]
             region.add(out)
-        elif _dtype(add) != _dtype(y_u):
-            raise NoMatch(f"the new streams are not cast to y's dtype {_dtype(y_u)}")
+        elif dtype(add) != dtype(y_u):
+            raise NoMatch(f"the new streams are not cast to y's dtype {dtype(y_u)}")
         region.check_closed((out,), "hc_post")
         kernel = f"mhc_post.n{n}.d{dim}.{ops.implementation_backend('mhc_post', ctx.backend)}"
         details = {"step": "post", "streams": n, "dim": dim, "rows": _rows((*lead, n, dim))}

@@ -24,7 +24,7 @@ from torch.func import functional_call
 from ..codegen import ops
 from ..model.linear import WEIGHT_DTYPES, weight_shapes
 from ..model.moe import RoutedExperts
-from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, locate, shape
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, ancestors, dtype, is_op, locate, shape
 from .template import Template, bind, skip_noop_casts, trace
 
 aten = torch.ops.aten
@@ -32,30 +32,12 @@ FORMATS = {torch.int8: "fp4", torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16"
 _PROJECTIONS = ("w1", "w3", "w2")
 
 
-def _dtype(node: object) -> torch.dtype | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val.dtype if isinstance(val, torch.Tensor) else None
-
-
-def _ancestors(node: fx.Node, limit: int = 400) -> list[fx.Node]:
-    """The nodes ``node`` is computed from, nearest first (a bounded walk: one MoE region has ~150 nodes)."""
-    seen, queue = {node}, [node]
-    for n in queue:
-        if len(queue) >= limit:
-            break
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                queue.append(a)
-    return queue[1:]
-
-
 def _stacked_weight(mm: fx.Node) -> tuple[fx.Node, fx.Node | None]:
     """The stacked weight input (and its e8m0 scale) of a grouped matmul's second operand."""
     operand = mm.args[1]
-    leaves = [n for n in [operand, *_ancestors(operand, 64)] if n.op in ("placeholder", "get_attr")]
-    weights = [n for n in leaves if _dtype(n) in FORMATS and len(shape(n) or ()) == 3]
-    scales = [n for n in leaves if _dtype(n) == torch.float8_e8m0fnu]
+    leaves = [n for n in [operand, *ancestors(operand, 64)] if n.op in ("placeholder", "get_attr")]
+    weights = [n for n in leaves if dtype(n) in FORMATS and len(shape(n) or ()) == 3]
+    scales = [n for n in leaves if dtype(n) == torch.float8_e8m0fnu]
     if len(weights) != 1 or len(scales) > 1:
         raise NoMatch(f"the grouped matmul at {locate(mm)} does not read one stacked bf16, FP8 or packed FP4 weight "
                       "(with one e8m0 scale)")
@@ -103,8 +85,8 @@ def _template(tokens: int, k: int, n: int, first: int, dim: int, inter: int, fmt
     for w in _PROJECTIONS:
         in_f, out_f = (inter, dim) if w == "w2" else (dim, inter)
         for part, dims in weight_shapes(fmt, in_f, out_f).items():
-            dtype = WEIGHT_DTYPES[fmt] if part == "weight" else torch.float8_e8m0fnu
-            example.append(torch.empty(n, *dims, dtype=dtype))
+            part_dtype = WEIGHT_DTYPES[fmt] if part == "weight" else torch.float8_e8m0fnu
+            example.append(torch.empty(n, *dims, dtype=part_dtype))
             names.append(f"{w}.{part}")
 
     def forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
@@ -133,13 +115,13 @@ class MoeDispatch(GraphPass):
     def analyze(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
         """The region from the tokens, routing weights and ids to the per-token sum, bound as the docstring says."""
         w2_mm = _source(node.args[3])
-        hidden = _ancestors(w2_mm.args[0], 80)
+        hidden = ancestors(w2_mm.args[0], 80)
         gated = [n for n in hidden if is_op(n, aten._grouped_mm)]
         if len(gated) != 2:
             raise NoMatch(f"the input of the grouped matmul at {locate(w2_mm)} does not come from two grouped "
                           f"matmuls (w1 and w3); found {len(gated)}")
         w2, _ = _stacked_weight(w2_mm)
-        fmt = FORMATS[_dtype(w2)]
+        fmt = FORMATS[dtype(w2)]
         n, dim, packed = shape(w2) or (0, 0, 0)
         inter = packed * 2 if fmt == "fp4" else packed
         view = next((u for u in node.users if len(shape(u) or ()) == 3), None)
@@ -147,7 +129,7 @@ class MoeDispatch(GraphPass):
             raise NoMatch(f"the expert outputs at {locate(node)} are not viewed as [tokens, top_k, dim]")
         end = _sum_end(view)
         tokens, k = (shape(view) or (0, 0))[:2]
-        offsets = _constant_after(_ancestors(end), aten.sub, 1)
+        offsets = _constant_after(ancestors(end), aten.sub, 1)
         first = int(offsets[0]) if offsets else 0
         clamps = [n for n in hidden if is_op(n, aten.clamp) and _source(n.args[0]) in gated]
         limits = [float(c) for c in _constant_after(clamps, aten.clamp, 2)]

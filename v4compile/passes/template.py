@@ -19,7 +19,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .base import is_op, locate
+from .base import dtype, is_op, locate
 
 aten = torch.ops.aten
 _IGNORED_KWARGS = ("device",)
@@ -61,15 +61,10 @@ def trace(fn: Callable[..., torch.Tensor], example: list[torch.Tensor]) -> Templ
     return Template(module, inputs, result)
 
 
-def _dtype(node: fx.Node) -> torch.dtype | None:
-    val = node.meta.get("val")
-    return val.dtype if isinstance(val, torch.Tensor) else None
-
-
 def skip_noop_casts(node: Any) -> Any:
     """``node`` under any casts to the dtype its input already has."""
     while (is_op(node, aten.to, aten._to_copy, aten.alias) and isinstance(node.args[0], fx.Node)
-           and _dtype(node) is not None and _dtype(node) == _dtype(node.args[0])):
+           and dtype(node) is not None and dtype(node) == dtype(node.args[0])):
         node = node.args[0]
     return node
 
