@@ -1,7 +1,6 @@
 """MoE benchmark at V4-Flash dims: one layer's routed experts (256 FP4 experts, top-6, dim 4096, inter 2048).
 
-Per token count one row: ours (``v4compile::moe_experts``, CUDA-graph replay; "bf16 dots": its bf16-dot product
-path forced, where the default takes FP8 tensor-core dots), the model's routed experts in
+Per token count one row: ours (``v4compile::moe_experts``, CUDA-graph replay), the model's routed experts in
 eager PyTorch (pairs sorted by expert, grouped bf16 matmuls over all 256 experts' dequantized weights: what the
 ``moe_dispatch`` pass replaces), the same module under torch.compile (one graph whatever the expert count,
 dynamic in the token count), and the floor: for decode the bytes of the FP4 weights and scales of the experts
@@ -66,11 +65,6 @@ def row(layer: MoE, config: V4Config, tokens: int, ceil: dict[str, float], compi
     def ours() -> torch.Tensor:
         return ops.moe_experts(*args, "triton")
 
-    default = moe.launch_config(ids.numel(), routed.n, tokens, config.dim, config.moe_inter_dim, True)
-
-    def bf16_dots() -> torch.Tensor:
-        return moe.moe_experts(*args, config=default | {"FP8_DOT": 0})
-
     def eager() -> torch.Tensor:
         return routed(x, weights, ids)
 
@@ -87,7 +81,6 @@ def row(layer: MoE, config: V4Config, tokens: int, ceil: dict[str, float], compi
         if any(r.error for r in records):
             raise AssertionError(f"the MoE kernel fell back: {[r.error for r in records]}")
         ours_us = bench(graphed(ours), quick=True)
-        bf16_us = bench(graphed(bf16_dots), quick=True)
         host_us = bench(ours, quick=True)
         eager_us = bench(eager, quick=True)
         compiled_us = bench(compiled, quick=True)
@@ -100,7 +93,7 @@ def row(layer: MoE, config: V4Config, tokens: int, ceil: dict[str, float], compi
     note = (f"{touched} experts touched, {weight_bytes / 2**20:.0f} MiB of weights, {flops / 1e12:.2f} TFLOP; "
             f"BM={launch['BM']} BN={launch['BN1']}/{launch['BN2']} warps={launch['num_warps']}; host call "
             f"{host_us:.0f} us; max diff {err:.1e} of max|y|")
-    return {"tokens": tokens, "ours_us": ours_us, "bf16_dots_us": bf16_us, "eager_us": eager_us,
+    return {"tokens": tokens, "ours_us": ours_us, "eager_us": eager_us,
             "compiled_us": compiled_us, "floor_us": floor_us, "floor": "bf16 flops" if prefill else "weight bytes",
             "note": note}
 
@@ -119,13 +112,13 @@ def main() -> None:
     compiled_experts = torch.compile(layer.experts, dynamic=True)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; copy "
           f"{ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s")
-    print("| tokens | ours us | bf16 dots us | eager us | torch.compile us | floor us | % of floor | note |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print("| tokens | ours us | eager us | torch.compile us | floor us | % of floor | note |")
+    print("|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for tokens in args.tokens:
         r = row(layer, config, tokens, ceil, compiled_experts)
         rows.append(r)
-        print(f"| {tokens} | {r['ours_us']:.1f} | {r['bf16_dots_us']:.1f} | {r['eager_us']:.0f} | "
+        print(f"| {tokens} | {r['ours_us']:.1f} | {r['eager_us']:.0f} | "
               f"{r['compiled_us']:.0f} | {r['floor_us']:.1f} "
               f"({r['floor']}) | {100 * r['floor_us'] / r['ours_us']:.0f}% | {r['note']} |", flush=True)
     if args.out:

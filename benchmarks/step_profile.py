@@ -6,8 +6,9 @@ and sorts the GPU kernel time into categories (dense GEMM, MoE, attention, compr
 other). The floor: decode reads every non-routed weight byte, the routed experts that ``batch`` tokens are
 expected to choose (``E * (1 - (1 - k/E)^batch)`` per layer) and the KV the step attends to, over the measured copy
 rate; prefill is its matmul FLOPs over the measured FP8 tensor-core rate. A prefill computes the head at its last
-position only (``--logits last``, as the runtime samples; ``all`` for scoring). ``--turn`` / ``--turns`` let
-several phases compile at once and profile one at a time (each waits for the file of its turn)::
+position only (``--logits last``, as the runtime samples; ``all`` for scoring). ``--turn`` / ``--turns`` /
+``--of`` let several phases compile at once and profile one at a time: each profiles once every phase has
+warmed up (so no compilation shares the GPU with a profile) and the phase before it has finished::
 
     PYTHONPATH=$PWD python3 benchmarks/step_profile.py --phase "decode b1" --experts 16
 """
@@ -96,6 +97,7 @@ def main() -> None:
                              "(scoring)")
     parser.add_argument("--turn", type=int, default=0)
     parser.add_argument("--turns", default="", help="folder of turn files (empty: profile at once)")
+    parser.add_argument("--of", type=int, default=1, help="how many phases share the turn folder")
     args = parser.parse_args()
     decode = args.phase.startswith("decode")
     size = int(args.phase.split()[-1].removeprefix("b"))
@@ -120,7 +122,10 @@ def main() -> None:
             step()
             floor = prefill_floor(model, size, args.logits == "last")
         if args.turns:
-            while not (Path(args.turns) / f"turn{args.turn}").exists():
+            turns = Path(args.turns)
+            (turns / f"ready{args.turn}").touch()
+            while not ((turns / f"turn{args.turn}").exists()
+                       and all((turns / f"ready{i}").exists() for i in range(args.of))):
                 time.sleep(0.5)
         step()
         torch.cuda.synchronize()

@@ -102,28 +102,17 @@ def test_repeated_ids_count_once(expert_sets: dict) -> None:
     torch.testing.assert_close(got[::2], once, rtol=0, atol=0)
 
 
-def test_the_gpu_formulation_runs_under_the_interpreter(expert_sets: dict) -> None:
-    """tl.dot (the GPU's path) instead of the interpreter's broadcast product: the same results."""
-    x = torch.randn(3, DIM, generator=torch.Generator().manual_seed(5)).bfloat16()
-    weights, ids = routing(3, EXPERTS, TOP_K, seed=5)
-    experts = expert_sets[("fp4", True)]
-    config = {**moe.launch_config(6, EXPERTS, 3, DIM, INTER, cuda=False), "tl_dot": True, "BM": 16}
-    args = (x, weights, ids, 0, *weights_of(experts), "fp4", True, LIMIT)
-    with torch.no_grad():
-        got = moe.moe_experts(*args, config=config)
-        want = reference.moe_experts(*args)
-    assert_matches(got, want)
-
-
-@pytest.mark.parametrize(("fmt", "tokens"), [("fp4", 1), ("fp4", 40), ("fp8", 9)])
-def test_the_fp8_tensor_core_path_runs_under_the_interpreter(fmt: str, tokens: int) -> None:
-    """``FP8_DOT``: e4m3 activation codes, FP4 codes placed as e4m3 bytes, one FP8 dot per scale group."""
-    experts = make_experts(fmt, True)
+@pytest.mark.parametrize(("fmt", "pow2", "tokens"), [("fp4", True, 1), ("fp4", False, 40), ("fp8", True, 9),
+                                               ("bf16", False, 3)])
+def test_the_gpu_formulation_runs_under_the_interpreter(fmt: str, pow2: bool, tokens: int) -> None:
+    """``tl_dot`` (the GPU's path: microscaled ``tl.dot_scaled`` for FP4/FP8, ``tl.dot`` for bf16) instead of the
+    interpreter's broadcast product: the same results."""
+    experts = make_experts(fmt, pow2)
     x = (torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(tokens)) * 2).bfloat16()
     weights, ids = routing(tokens, EXPERTS, TOP_K, seed=tokens)
     config = {**moe.launch_config(tokens * TOP_K, EXPERTS, tokens, DIM, INTER, cuda=False), "tl_dot": True,
-              "BM": 16, "FP8_DOT": 1}
-    args = (x, weights, ids, 0, *weights_of(experts), fmt, True, LIMIT)
+              "BM": 16, "BK": 128}
+    args = (x, weights, ids, 0, *weights_of(experts), fmt, pow2, LIMIT)
     with torch.no_grad():
         got = moe.moe_experts(*args, config=config)
         want = reference.moe_experts(*args)

@@ -7,12 +7,8 @@ shape alone and the sequence can be captured in a CUDA graph):
    records each pair's slot in that order (-1 for another rank's expert).
 2. ``moe_quant`` (FP8/FP4 experts): the activation's e4m3 simulation per 128 along K, exactly as
    ``quant.fp8_simulate`` (same scale rule, power-of-two scales when asked, nearest-even rounding by
-   integer arithmetic, the product rounded to bf16); for FP4 each 128-block is stored even columns first,
-   so the kernel can pair them with the low and high nibbles of the packed weight bytes. With ``FP8_DOT``
-   (power-of-two scales on the GPU) it stores the e4m3 codes and one fp32 scale per 128 instead (for FP4 each
-   32-wide scale group's even columns, then its odd ones).
-3. ``moe_gemm`` gated: per (tile of one expert's pairs, block of the inter dim) the w1 and w3 products
-   with the weights dequantized in registers (e2m1 x e8m0 per 32, e4m3 x e8m0 per 128x128, or bf16),
+   integer arithmetic, the product rounded to bf16, exact there).
+3. ``moe_gemm`` gated: per (tile of one expert's pairs, block of the inter dim) the w1 and w3 products,
    fp32 accumulation, each rounded to bf16 as the model's Linear does, then the clamped SwiGLU times the
    routing weight, rounded to bf16.
 4. ``moe_quant`` again on that hidden state (FP8/FP4), 5. ``moe_gemm`` with w2.
@@ -22,17 +18,16 @@ shape alone and the sequence can be captured in a CUDA graph):
 
 The tile -> expert map is derived in every GEMM program from the per-expert counts (a cumsum over at most
 a few hundred entries), so no further launch is needed. Expert weights are the model's stacked tensors: expert
-e's weight starts e strides into its projection's tensor. Products of e4m3/e2m1 (times a power of two) and bf16
-values are exact in fp32, so bf16 tensor-core dots reproduce the model's products; only the fp32
-summation order differs. ``FP8_DOT`` runs the products on FP8 tensor cores instead, reading no dequantized
-weight: FP8 weights as stored, one dot per 128x128 scale block; FP4 codes widened in registers to the e4m3
-bytes of the same values times 2^-6 (a bit placement) and one dot per 32-wide e8m0 scale group; each dot is
-promoted to fp32 and scaled there (Hopper's FP8 MMA sums its K in about 14 mantissa bits: 32 or 128 terms).
-Triton's CPU interpreter cannot multiply bf16 tensors: there the operands are
-widened to fp32, with the same exact products, and multiplied by a broadcast product and sum (``tl_dot``
-False), since the interpreter's dot is numpy's unblocked matmul loop; ``tl_dot`` True runs the GPU's
-``tl.dot`` formulation there too (slower; the tests check both), and so does ``FP8_DOT`` (the interpreter's FP8
-dot is exact).
+e's weight starts e strides into its projection's tensor, read as stored (half a byte a weight for FP4).
+On the GPU the quantized products are ``tl.dot_scaled``: the weights are microscaled operands (e2m1 codes with
+their e8m0 scale per 32, which is the model's FP4 format; e4m3 codes with their 128x128 block's scale repeated
+per 32) that Triton widens to bf16 in registers, exactly, on Hopper; the bf16 products of those values with the
+activation's are exact in fp32 and the tensor cores accumulate in fp32, so only the summation order differs from
+the model. Native FP8 dots were measured slower at every tile size and sum in about 14 bits (benchmarks/RESULTS.md).
+Triton's CPU interpreter cannot multiply bf16 tensors and its dot is numpy's unblocked matmul loop: there the
+weights are dequantized in registers to fp32 (each FP4 128-block's activation stored even columns first, to pair
+with the low and high nibbles of the packed bytes) and multiplied by a broadcast product and sum (``tl_dot``
+False); ``tl_dot`` True runs the GPU's formulation there too (slower; the tests check both).
 """
 
 from __future__ import annotations
@@ -87,8 +82,8 @@ def _n_valid(COUNTS, n_local, E_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def moe_quant(X, OUT, SC, COUNTS, rows, n_local, s_x, s_o, s_sc, POW2: tl.constexpr, PERMUTE: tl.constexpr,
-              CODES: tl.constexpr, COUNTED: tl.constexpr, BR: tl.constexpr, E_BLOCK: tl.constexpr):
+def moe_quant(X, OUT, COUNTS, rows, n_local, s_x, s_o, POW2: tl.constexpr, PERMUTE: tl.constexpr,
+              COUNTED: tl.constexpr, BR: tl.constexpr, E_BLOCK: tl.constexpr):
     if COUNTED:
         rows = _n_valid(COUNTS, n_local, E_BLOCK)
     if tl.program_id(0) * BR >= rows:
@@ -100,16 +95,10 @@ def moe_quant(X, OUT, SC, COUNTS, rows, n_local, s_x, s_o, s_sc, POW2: tl.conste
     x = tl.load(X + r[:, None] * s_x + c[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
     scale = _act_scale(x, POW2)
     v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
-    if CODES:
-        if PERMUTE:
-            c = tl.program_id(1) * 128 + (j // 32) * 32 + (j % 2) * 16 + (j % 32) // 2
-        tl.store(OUT + r[:, None] * s_o + c[None, :], _e4m3_code(_round_e4m3(v)).to(tl.uint8), mask=rm[:, None])
-        tl.store(SC + r * s_sc + tl.program_id(1), scale, mask=rm)
-    else:
-        y = _round_bf16(_round_e4m3(v) * scale[:, None])
-        if PERMUTE:
-            c = tl.program_id(1) * 128 + (j % 2) * 64 + j // 2
-        tl.store(OUT + r[:, None] * s_o + c[None, :], y.to(tl.bfloat16), mask=rm[:, None])
+    y = _round_bf16(_round_e4m3(v) * scale[:, None])
+    if PERMUTE:
+        c = tl.program_id(1) * 128 + (j % 2) * 64 + j // 2
+    tl.store(OUT + r[:, None] * s_o + c[None, :], y.to(tl.bfloat16), mask=rm[:, None])
 
 
 @triton.jit
@@ -155,8 +144,6 @@ def _dot_w(a0, a1, W, S, n, nm, k0, K, s_w, s_s, BK: tl.constexpr, TL_DOT: tl.co
         w1 = w0
     if TL_DOT:
         acc = tl.dot(a0, tl.trans(w0), input_precision="ieee")
-        if FMT == "fp4":
-            acc += tl.dot(a1, tl.trans(w1), input_precision="ieee")
     else:
         acc = tl.sum(a0[:, None, :] * w0[None, :, :], axis=2)
         if FMT == "fp4":
@@ -165,33 +152,32 @@ def _dot_w(a0, a1, W, S, n, nm, k0, K, s_w, s_s, BK: tl.constexpr, TL_DOT: tl.co
 
 
 @triton.jit
-def _dot_fp8(a, sa, W, S, n, nm, k0, s_w, s_s, KB: tl.constexpr):
-    # e4m3 activation codes a [BM, KB] (scales sa per row) times the expert weight rows n, columns k0..k0+KB, on
-    # FP8 tensor cores: FP8 weights as stored (KB = 128, one 128x128 scale), FP4 codes widened to e4m3 bytes
-    # (KB = 32, one e8m0 scale per row; a holds the group's even columns, then its odd ones)
+def _dot_scaled(a, acc, W, S, n, nm, k0, s_w, s_s, BK: tl.constexpr):
+    # acc + a [BM, BK] (bf16 values, natural column order) times the expert weight rows n, columns k0..k0+BK as
+    # microscaled operands: e2m1 codes with their e8m0 scale per 32, or e4m3 codes with their 128x128 block's
+    # scale repeated per 32; Triton upcasts them to bf16 exactly (e2m1/e4m3 times a power of two)
+    g = k0 // 32 + tl.arange(0, BK // 32)
     if FMT == "fp4":
-        # an e2m1 code's bits s e e m placed as the e4m3 byte s 0 0 e e m 0 0 are its value times 2^-6, exactly
-        p = tl.arange(0, KB)
-        packed = tl.load(W + n[:, None] * s_w + (k0 // 2 + p % 16)[None, :], mask=nm[:, None], other=0)
-        code = packed.to(tl.int32) >> ((p // 16) * 4)[None, :]
-        w = (((code & 7) << 2) | ((code & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-        sw = _e8m0(tl.load(S + n * s_s + k0 // 32, mask=nm, other=127)) * 64.0
-    else:
-        k = k0 + tl.arange(0, KB)
-        w = tl.load(W + n[:, None] * s_w + k[None, :], mask=nm[:, None], other=0).to(tl.float8e4nv, bitcast=True)
-        sw = _e8m0(tl.load(S + (n // 128) * s_s + k0 // 128, mask=nm, other=127))
-    return tl.dot(a, tl.trans(w)) * sa[:, None] * sw[None, :]
+        j = k0 // 2 + tl.arange(0, BK // 2)
+        w = tl.load(W + n[:, None] * s_w + j[None, :], mask=nm[:, None], other=0)
+        scale = tl.load(S + n[:, None] * s_s + g[None, :], mask=nm[:, None], other=127)
+        return tl.dot_scaled(a, None, "bf16", tl.trans(w), scale, "e2m1", acc)
+    k = k0 + tl.arange(0, BK)
+    w = tl.load(W + n[:, None] * s_w + k[None, :], mask=nm[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+    scale = tl.load(S + (n // 128)[:, None] * s_s + (g // 4)[None, :], mask=nm[:, None], other=127)
+    return tl.dot_scaled(a, None, "bf16", tl.trans(w), scale, "e4m3", acc)
 
 
 @triton.jit
-def moe_gemm(A, SA, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k, N, K,
-             s_a, s_sa, s_o, s_w, s_s, s_we, s_se, limit, GATED: tl.constexpr, CLAMP: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_BLOCK: tl.constexpr, TL_DOT: tl.constexpr,
-             FP8_DOT: tl.constexpr, KB: tl.constexpr):
+def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k, N, K,
+             s_a, s_o, s_w, s_s, s_we, s_se, limit, GATED: tl.constexpr, CLAMP: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_BLOCK: tl.constexpr, TL_DOT: tl.constexpr):
     # GATED: OUT[slot] = bf16(weight * silu(min(bf16(A W_A^T), L)) * clamp(bf16(A W_B^T), -L, L)) with A's
     # rows gathered by token; else OUT[slot] = bf16(A[slot] W_A^T). Expert e's weight is W + e * s_we (its
-    # scale S + e * s_se) in the stacked tensors
-    e, row0, offset, count = _locate(COUNTS, n_local, tl.program_id(0), BM, E_BLOCK)
+    # scale S + e * s_se) in the stacked tensors. Programs of one row tile are adjacent (its rows stay in L2)
+    tile = tl.program_id(0) // tl.cdiv(N, BN)
+    nb = tl.program_id(0) % tl.cdiv(N, BN)
+    e, row0, offset, count = _locate(COUNTS, n_local, tile, BM, E_BLOCK)
     if e >= n_local:
         return
     r = row0 + tl.arange(0, BM)
@@ -206,19 +192,17 @@ def moe_gemm(A, SA, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, t
     wb = W_B + e.to(tl.int64) * s_we
     sa = S_A + e.to(tl.int64) * s_se
     sb = S_B + e.to(tl.int64) * s_se
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n = nb * BN + tl.arange(0, BN)
     nm = n < N
     acc_a = tl.zeros([BM, BN], tl.float32)
     acc_b = tl.zeros([BM, BN], tl.float32)
-    if FP8_DOT:
-        for k0 in range(0, K, KB):
-            k = k0 + tl.arange(0, KB)
-            a = tl.load(A + rows[:, None] * s_a + k[None, :], mask=rm[:, None], other=0)
-            a = a.to(tl.float8e4nv, bitcast=True)
-            sa_k = tl.load(SA + rows * s_sa + k0 // 128, mask=rm, other=0.0)
-            acc_a += _dot_fp8(a, sa_k, wa, sa, n, nm, k0, s_w, s_s, KB)
+    if FMT != "bf16" and TL_DOT:
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            a = tl.load(A + rows[:, None] * s_a + k[None, :], mask=rm[:, None], other=0.0)
+            acc_a = _dot_scaled(a, acc_a, wa, sa, n, nm, k0, s_w, s_s, BK)
             if GATED:
-                acc_b += _dot_fp8(a, sa_k, wb, sb, n, nm, k0, s_w, s_s, KB)
+                acc_b = _dot_scaled(a, acc_b, wb, sb, n, nm, k0, s_w, s_s, BK)
     else:
         for k0 in range(0, K, BK):
             if FMT == "fp4":
@@ -278,27 +262,24 @@ def kernel_name(fmt: str) -> str:
 
 
 def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, cuda: bool) -> dict[str, int]:
-    """Row tiles sized by the mean pairs per expert (16 rows, the tensor cores' minimum, while decoding;
-    128 once experts see hundreds of tokens), 64-128 wide output blocks, K blocks of 128 (the quantization
-    block; ``BK`` is the largest K block, each GEMM takes the largest that fits its K in whole quantization
-    blocks); FP8 tensor-core dots on the 16-row tiles only: there they measured equal to the bf16 dots and up to
-    1.5x faster, while the 64- and 128-row tiles' FP8 MMA sums in about 14 bits, which flips e4m3 roundings of
-    the hidden state (mean error 1-4e-3 of mean|y| against the model, tests/gpu/test_moe_gpu.py) and gained
-    nothing at prefill (benchmarks/RESULTS.md); the interpreter gets few, large programs (its cost is per program
-    and op, not per element)."""
+    """Row tiles sized by the mean pairs per expert (16 rows, the tensor cores' minimum, while decoding, on two
+    warps; 32 up to 64 pairs an expert; 128 rows on 128-wide output blocks once experts see hundreds of tokens),
+    K blocks of 128 (the quantization block; ``BK`` is the largest K block, each GEMM takes the largest that fits
+    its K in whole quantization blocks), each the fastest measured at V4-Flash's shape on the H200 (256 experts
+    at 1, 64 and 8192 tokens, 16 at 64: benchmarks/RESULTS.md); the interpreter gets few, large programs (its
+    cost is per program and op, not per element)."""
     if not cuda:
         return {"BM": 16, "BN1": min(256, triton_next_pow2(inter)), "BN2": min(256, triton_next_pow2(dim)),
                 "BK": 512, "BT": 64, "BD": triton_next_pow2(dim), "BR": 64, "tl_dot": False, "num_warps": 4,
-                "num_stages": 1, "FP8_DOT": 0}
+                "num_stages": 1}
     per_expert = pairs / max(n_local, 1)
     if per_expert <= 16:
-        tiles = {"BM": 16, "BN1": 64, "BN2": 64, "num_warps": 4, "num_stages": 4}
+        tiles = {"BM": 16, "BN1": 32, "BN2": 32, "num_warps": 2, "num_stages": 4}
     elif per_expert <= 64:
-        tiles = {"BM": 64, "BN1": 64, "BN2": 128, "num_warps": 4, "num_stages": 3}
+        tiles = {"BM": 32, "BN1": 64, "BN2": 64, "num_warps": 4, "num_stages": 3}
     else:
-        tiles = {"BM": 128, "BN1": 64, "BN2": 128, "num_warps": 8, "num_stages": 3}
-    return {**tiles, "BK": 128, "BT": 1 if tokens < 512 else 4, "BD": 512, "BR": 16, "tl_dot": True,
-            "FP8_DOT": int(tiles["BM"] == 16)}
+        tiles = {"BM": 128, "BN1": 128, "BN2": 128, "num_warps": 8, "num_stages": 3}
+    return {**tiles, "BK": 128, "BT": 1 if tokens < 512 else 4, "BD": 512, "BR": 16, "tl_dot": True}
 
 
 def _module(fmt: str, cuda: bool) -> object:
@@ -314,8 +295,8 @@ def simulate_fp8(x: torch.Tensor, pow2: bool) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     module.moe_quant[(triton.cdiv(x.shape[0], 16), x.shape[1] // QUANT_BLOCK)](
-        x, out, x, x, x.shape[0], 0, x.stride(0), out.stride(0), 0, POW2=pow2, PERMUTE=False, CODES=False,
-        COUNTED=False, BR=16, E_BLOCK=1)
+        x, out, x, x.shape[0], 0, x.stride(0), out.stride(0), POW2=pow2, PERMUTE=False, COUNTED=False, BR=16,
+        E_BLOCK=1)
     return out
 
 
@@ -354,23 +335,19 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     counts = torch.empty(n_local, dtype=torch.int32, device=device)
     order = torch.empty(pairs, dtype=torch.int32, device=device)
     slots = torch.empty(pairs, dtype=torch.int32, device=device)
-    fp8_dot = quantized and pow2 and bool(config["FP8_DOT"])
+    permute = fmt == "fp4" and not config["tl_dot"]
     hidden = torch.empty(pairs, inter, dtype=torch.bfloat16, device=device)
-    codes = torch.uint8 if fp8_dot else torch.bfloat16
-    hidden_q = torch.empty(pairs, inter, dtype=codes, device=device) if quantized else hidden
-    x_q = torch.empty(tokens, dim, dtype=codes, device=device) if quantized else x
-    hidden_s = torch.empty(pairs if fp8_dot else 0, inter // QUANT_BLOCK, dtype=torch.float32, device=device)
-    x_s = torch.empty(tokens if fp8_dot else 0, dim // QUANT_BLOCK, dtype=torch.float32, device=device)
+    hidden_q = torch.empty_like(hidden) if quantized else hidden
+    x_q = torch.empty_like(x) if quantized else x
     out = torch.empty(pairs, dim, dtype=torch.bfloat16, device=device)
     y = torch.empty(tokens, dim, dtype=torch.float32, device=device)
     tiles = min(pairs, triton.cdiv(pairs, bm) + min(n_local, pairs))
     warps, stages = config["num_warps"], config["num_stages"]
 
-    def quant(src: torch.Tensor, dst: torch.Tensor, scales: torch.Tensor, counted: bool) -> None:
+    def quant(src: torch.Tensor, dst: torch.Tensor, counted: bool) -> None:
         grid = (triton.cdiv(src.shape[0], config["BR"]), src.shape[1] // QUANT_BLOCK)
-        module.moe_quant[grid](src, dst, scales, counts, src.shape[0], n_local, src.stride(0), dst.stride(0),
-                               scales.stride(0), POW2=pow2, PERMUTE=fmt == "fp4", CODES=fp8_dot, COUNTED=counted,
-                               BR=config["BR"], E_BLOCK=e_block)
+        module.moe_quant[grid](src, dst, counts, src.shape[0], n_local, src.stride(0), dst.stride(0), POW2=pow2,
+                               PERMUTE=permute, COUNTED=counted, BR=config["BR"], E_BLOCK=e_block)
 
     def k_block(k: int) -> int:
         if not quantized:
@@ -380,26 +357,23 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
             blocks *= 2
         return blocks * QUANT_BLOCK
 
-    def gemm(a: torch.Tensor, a_scales: torch.Tensor, dst: torch.Tensor, gated: bool, n: int, k: int,
-             bn: int) -> None:
+    def gemm(a: torch.Tensor, dst: torch.Tensor, gated: bool, n: int, k: int, bn: int) -> None:
         w = (w1, w3, s1, s3) if gated else (w2, w2, s2, s2)
         row = {"fp4": (k // 2, k // 32), "fp8": (k, triton.cdiv(k, QUANT_BLOCK)), "bf16": (k, 0)}[fmt]
         scale_stride = w[2].stride(0) if quantized else 0
-        module.moe_gemm[(tiles, triton.cdiv(n, bn))](
-            a, a_scales, weights, order, counts, *w, dst, n_local, top_k, n, k, a.stride(0), a_scales.stride(0),
-            dst.stride(0), *row, w[0].stride(0), scale_stride, float(limit),
-            GATED=gated, CLAMP=limit > 0, BM=bm, BN=bn, BK=k_block(k), E_BLOCK=e_block,
-            TL_DOT=config["tl_dot"], FP8_DOT=fp8_dot, KB=32 if fmt == "fp4" else 128, num_warps=warps,
-            num_stages=stages)
+        module.moe_gemm[(tiles * triton.cdiv(n, bn),)](
+            a, weights, order, counts, *w, dst, n_local, top_k, n, k, a.stride(0), dst.stride(0), *row,
+            w[0].stride(0), scale_stride, float(limit), GATED=gated, CLAMP=limit > 0, BM=bm, BN=bn, BK=k_block(k),
+            E_BLOCK=e_block, TL_DOT=config["tl_dot"], num_warps=warps, num_stages=stages)
 
     def run() -> None:
         module.moe_route[(n_local,)](ids, counts, order, slots, pairs, first, n_local, BLOCK=1024)
         if quantized:
-            quant(x, x_q, x_s, False)
-        gemm(x_q, x_s, hidden, True, inter, dim, config["BN1"])
+            quant(x, x_q, False)
+        gemm(x_q, hidden, True, inter, dim, config["BN1"])
         if quantized:
-            quant(hidden, hidden_q, hidden_s, True)
-        gemm(hidden_q, hidden_s, out, False, dim, inter, config["BN2"])
+            quant(hidden, hidden_q, True)
+        gemm(hidden_q, out, False, dim, inter, config["BN2"])
         module.moe_combine[(triton.cdiv(tokens, config["BT"]), triton.cdiv(dim, config["BD"]))](
             ids, slots, out, y, tokens, dim, top_k, out.stride(0), y.stride(0), BT=config["BT"], BD=config["BD"],
             KP=triton_next_pow2(top_k))
