@@ -26,7 +26,6 @@ from kernels import bench, ceilings, graphed  # benchmarks/kernels.py: timing he
 
 from v4compile.codegen import ops
 from v4compile.codegen.registry import REGISTRY
-from v4compile.codegen.triton import moe
 from v4compile.model import V4Config, quant
 from v4compile.model.linear import GroupedLinear, Linear
 from v4compile.model.moe import MoE
