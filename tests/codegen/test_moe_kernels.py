@@ -8,6 +8,8 @@ difference is a small fraction of the output's scale (``moe_dispatch``'s stated 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -130,3 +132,21 @@ def test_activation_quantization_is_the_models_bit_for_bit(pow2: bool) -> None:
     x = torch.stack(rows).bfloat16()
     got = moe.simulate_fp8(x, pow2)
     assert torch.equal(got.view(torch.int16), quant.fp8_simulate(x, 128, pow2).view(torch.int16))
+
+
+@pytest.mark.parametrize(("fmt", "broken", "needle"), [
+    ("fp4", "s3", "scale of w3 must be (6, 128, 8)"),
+    ("fp8", "s2", "scale of w2 must be (6, 2, 1)"),
+    ("fp4", "w2", "expert weight w2 must be torch.int8 (6, 256, 64)"),
+    ("fp8", "w3", "expert weight w3 must be torch.float8_e4m3fn (6, 128, 256)"),
+    ("bf16", "w1", "expert weight w1 must be torch.bfloat16 (6, 128, 256)"),
+])
+def test_misshapen_expert_tensors_are_named(expert_sets: dict, fmt: str, broken: str, needle: str) -> None:
+    """A scale or weight that does not fit its experts' blocks is a clear error naming it, before any kernel runs."""
+    experts = expert_sets[(fmt, fmt == "fp4")]
+    tensors = dict(zip(("w1", "w3", "w2", "s1", "s3", "s2"), weights_of(experts), strict=True))
+    tensors[broken] = tensors[broken][..., 1:]
+    x = torch.randn(3, DIM).bfloat16()
+    weights, ids = routing(3, EXPERTS, TOP_K, seed=1)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        ops.moe_experts(x, weights, ids, 0, *tensors.values(), fmt, fmt == "fp4", LIMIT, "triton")

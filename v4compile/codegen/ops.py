@@ -314,6 +314,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     [T, k] among the local ones ``first .. first+E-1`` (stacked weights ``w1``, ``w3`` [E, inter, .], ``w2``
     [E, dim, .], scales ``s*`` unless ``fmt`` is bf16), with routing ``weights`` [T, k] inside the clamped SwiGLU;
     a repeated id counts once, outputs are added in ascending expert order (``RoutedExperts.forward``)."""
+    from .triton.moe import check_experts
+
+    check_experts(x, weights, ids, w1, w3, w2, s1, s3, s2, fmt)
     return _run("moe_experts", backend, x, weights, ids, first, w1, w3, w2, s1, s3, s2, fmt, pow2, limit)
 
 

@@ -302,6 +302,36 @@ def simulate_fp8(x: torch.Tensor, pow2: bool) -> torch.Tensor:
     return out
 
 
+def check_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                  w2: torch.Tensor, s1: torch.Tensor | None, s3: torch.Tensor | None, s2: torch.Tensor | None,
+                  fmt: str) -> None:
+    """Raises a ValueError naming the tensor when the tokens, routing and stacked expert weights and scales do not
+    fit together (a misshapen tensor would otherwise be read out of bounds by the kernels)."""
+    from ...model.linear import WEIGHT_DTYPES, weight_shapes
+
+    if fmt not in FORMATS:
+        raise ValueError(f"the MoE kernel supports expert formats {FORMATS}, got {fmt!r}")
+    if x.dim() != 2:
+        raise ValueError(f"moe_experts: x must be [tokens, dim], got shape {tuple(x.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0] or tuple(weights.shape) != tuple(ids.shape):
+        raise ValueError(f"moe_experts: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be "
+                         f"[tokens, top_k] with tokens = {x.shape[0]}")
+    if w1.dim() != 3:
+        raise ValueError(f"moe_experts: w1 must be stacked [experts, inter, ...], got shape {tuple(w1.shape)}")
+    n, inter, dim = w1.shape[0], w1.shape[1], x.shape[1]
+    expect = {"w1": (weight_shapes(fmt, dim, inter), w1, s1), "w3": (weight_shapes(fmt, dim, inter), w3, s3),
+              "w2": (weight_shapes(fmt, inter, dim), w2, s2)}
+    for name, (shapes, w, s) in expect.items():
+        if tuple(w.shape) != (n, *shapes["weight"]) or w.dtype != WEIGHT_DTYPES[fmt]:
+            raise ValueError(f"moe_experts: {fmt} expert weight {name} must be {WEIGHT_DTYPES[fmt]} "
+                             f"{(n, *shapes['weight'])} for {n} experts, dim {dim}, inter {inter}; got "
+                             f"{w.dtype} {tuple(w.shape)}")
+        if "scale" in shapes and (s is None or tuple(s.shape) != (n, *shapes["scale"])):
+            got = None if s is None else tuple(s.shape)
+            raise ValueError(f"moe_experts: scale of {name} must be {(n, *shapes['scale'])} (one per "
+                             f"{'32 inputs' if fmt == 'fp4' else '128x128 block'}), got {got}")
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.bfloat16 else t.view(torch.uint8)
 
@@ -313,8 +343,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     """Triton body of ``v4compile::moe_experts``: x [T, D] bf16, routing weights [T, k] fp32 and ids [T, k],
     stacked local experts ``first..first+E-1`` -> y [T, D] fp32 (the model's expert sum). ``config`` overrides
     the launch configuration (benchmark sweeps)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"the MoE kernel supports expert formats {FORMATS}, got {fmt!r}")
+    check_experts(x, weights, ids, w1, w3, w2, s1, s3, s2, fmt)
     tokens, dim = x.shape
     top_k, n_local, inter = ids.shape[1], w1.shape[0], w1.shape[1]
     quantized = fmt != "bf16"
