@@ -24,7 +24,8 @@ their e8m0 scale per 32, which is the model's FP4 format; e4m3 codes with their 
 per 32) that Triton widens to bf16 in registers, exactly, on Hopper; the bf16 products of those values with the
 activation's are exact in fp32 and the tensor cores accumulate in fp32, so only the summation order differs from
 the model. Scales are widened without NaN handling (``fast_math``, 10-35% faster): exact for every scale byte the
-quantizer writes (1..254, ``quant.float_to_e8m0`` over floored amaxes); a byte 0 (2^-127) would read as 0. Native FP8 dots were measured slower at every tile size and sum in about 14 bits (benchmarks/RESULTS.md).
+quantizer writes (1..254, ``quant.float_to_e8m0`` over floored amaxes); a byte 0 (2^-127) would read as 0.
+Native FP8 dots were measured slower at every tile size and sum in about 14 bits (benchmarks/RESULTS.md).
 Triton's CPU interpreter cannot multiply bf16 tensors and its dot is numpy's unblocked matmul loop: there the
 weights are dequantized in registers to fp32 (each FP4 128-block's activation stored even columns first, to pair
 with the low and high nibbles of the packed bytes) and multiplied by a broadcast product and sum (``tl_dot``
