@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,22 @@ def test_passes_lists_every_pass(capsys: pytest.CaptureFixture) -> None:
     assert main(["passes"]) == 0
     out = capsys.readouterr().out
     assert "compressor_fusion" in out and "radix_topk" in out and "max_k" in out
+
+
+def test_piped_listings_keep_identifiers_whole_and_have_json() -> None:
+    """``v4compile passes | grep NAME`` on an 80-column setup finds every pass; ``--json`` lists the same ones."""
+    from v4compile.passes import PASS_ORDER
+
+    def run(*argv: str) -> str:
+        code = f"from v4compile.cli import main; raise SystemExit(main({list(argv)!r}))"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300,
+                              env={**os.environ, "COLUMNS": "80"})
+        return done.stdout
+
+    lines = run("passes").splitlines()
+    for cls in PASS_ORDER:
+        assert any(cls.name in line.split() for line in lines), cls.name
+    assert [row["pass"] for row in json.loads(run("passes", "--json"))] == [cls.name for cls in PASS_ORDER]
 
 
 def test_explain_json_reports_matches_and_near_misses(capsys: pytest.CaptureFixture) -> None:
@@ -49,6 +68,11 @@ def test_kernels_show_prints_source_and_launch(capsys: pytest.CaptureFixture) ->
     assert "@triton.jit" in out and "RATIO = tl.constexpr(128)" in out and "def _hadamard" not in out
     assert "grid" in out and "compressor_finish @" in out
     assert main(["kernels", "--entry", "decode", "--show", "nope"]) == 2
+    capsys.readouterr()
+    assert main(["kernels", "--entry", "decode", "--backend", "reference", "--json"]) == 0
+    records = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    built = records["compressor_entry_state.c128.w128.fp8.triton"]
+    assert built["backend"] == "triton" and built["launches"] >= 1 and built["regions"]
 
 
 def test_bad_arguments_are_clear(capsys: pytest.CaptureFixture) -> None:
@@ -90,3 +114,6 @@ def test_serve_bench_prints_hit_rates_and_bytes(capsys: pytest.CaptureFixture) -
     assert main(["serve-bench", "--conversations", "2", "--turns", "2"]) == 0
     out = capsys.readouterr().out
     assert "ShadowRadix" in out and "baseline" in out and "bytes per cached token by pool" in out
+    assert main(["serve-bench", "--conversations", "2", "--turns", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["requests"] == 6 and 0 < report["hit_rate"] <= 1 and report["bytes_per_token"]["all"] > 0

@@ -3,6 +3,7 @@ rewrites, Inductor end to end, and bisect finding a broken kernel."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,12 @@ def test_optimized_model_meets_golden_tolerance_with_all_passes(golden_root: Pat
     model = golden_models[folder] if ties == "lowest" else v4compile.load(golden_root / folder, index_ties=ties)
     optimized = v4compile.optimize(model.eval(), backend="reference", inductor=False)
     _in_band(folder, golden_check(optimized, golden_root / folder))
-    assert sum(row["matches"] for row in optimized.report()) > 0
+    report = optimized.report()
+    assert sum(row["matches"] for row in report) > 0
+    # a script reads the report as plain JSON, a person prints it as the table
+    assert json.loads(report.to_json()) == list(report)
+    assert all(isinstance(row["kernels"], list) for row in report)
+    assert all(row["pass"] in str(report) for row in report) and "rewrites" in str(report)
 
 
 @pytest.mark.parametrize("passes", ["compressor_fusion", "radix_topk"])

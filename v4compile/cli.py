@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
@@ -12,7 +13,14 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.syntax import Syntax
 from rich.table import Table
 
-console = Console()
+
+def _console() -> Console:
+    """The CLI's console: piped output gets lines wide enough that no table folds or cuts an identifier (so
+    ``v4compile passes | grep compressor_fusion`` finds it); a terminal keeps its width."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+console = _console()
 
 
 def _model(args: argparse.Namespace):
@@ -52,8 +60,15 @@ def _demo(args: argparse.Namespace) -> int:
 def _passes(args: argparse.Namespace) -> int:
     from .passes import PASS_ORDER
 
+    if args.json:
+        print(json.dumps([{"order": i, "pass": cls.name, "on_by_default": cls.on_by_default, "summary": cls.summary,
+                           "matches": cls.matches, "options": dict(cls.option_help), "tolerance": cls.tolerance}
+                          for i, cls in enumerate(PASS_ORDER, start=1)], indent=1))
+        return 0
     table = Table(title="v4compile passes, in pipeline order")
-    for col in ("#", "pass", "what it does", "what it matches", "options", "tolerance"):
+    table.add_column("#")
+    table.add_column("pass", no_wrap=True, min_width=max(len(c.name) for c in PASS_ORDER) + len(" (opt-in)"))
+    for col in ("what it does", "what it matches", "options", "tolerance"):
         table.add_column(col, overflow="fold")
     for i, cls in enumerate(PASS_ORDER, start=1):
         options = "\n".join(f"{k}: {v}" for k, v in cls.option_help.items()) or "-"
@@ -78,8 +93,9 @@ def _explain(args: argparse.Namespace) -> int:
         title = names[i] if i < len(names) else report.graph
         matches = Table(title=f"{title}: {len(report.matches)} rewrites ({report.nodes_before} -> "
                               f"{report.nodes_after} nodes)")
-        for col in ("pass", "location", "kernel", "details"):
-            matches.add_column(col, overflow="fold")
+        for col in ("pass", "location", "kernel"):
+            matches.add_column(col, no_wrap=True)
+        matches.add_column("details", overflow="fold")
         for m in report.matches:
             matches.add_row(m.pass_name, str(m.location), m.kernel,
                             ", ".join(f"{k}={v}" for k, v in m.details.items() if k != "replaced"))
@@ -165,6 +181,12 @@ def _kernels(args: argparse.Namespace) -> int:
 
     with _progress("building the kernels the passes choose"):
         explain(_model(args), backend=args.backend, entries=_entries(args))
+    if args.json:
+        print(json.dumps([{"name": r.name, "backend": r.backend, "op": r.op, "source_hash": r.source_hash,
+                           "path": r.path, "launches": r.launches, "last_launch": r.launch, "regions": r.regions,
+                           "error": r.error} for r in (REGISTRY.records[n] for n in sorted(REGISTRY.records))],
+                         indent=1, default=str))
+        return 0
     if args.show:
         record = REGISTRY.records.get(args.show)
         if record is None:
@@ -187,7 +209,9 @@ def _kernels(args: argparse.Namespace) -> int:
                       "tilelang to build the GPU kernels (interpreted on the CPU)")
         return 0
     table = Table(title=f"kernels (disk cache: {cache_dir()})")
-    for col in ("name", "backend", "op", "source hash", "launches", "last launch", "regions"):
+    for col in ("name", "backend", "op", "source hash"):
+        table.add_column(col, no_wrap=True)
+    for col in ("launches", "last launch", "regions"):
         table.add_column(col, overflow="fold")
     for name in sorted(REGISTRY.records):
         r = REGISTRY.records[name]
@@ -243,6 +267,12 @@ def _check(args: argparse.Namespace) -> int:
         for row in optimized.report():
             console.print(f"{row['pass']}: {row['matches']} regions, worst relative error {row['worst_rel_error']}")
     verdict = eager.in_band() and results["optimized vs golden"].in_band()
+    if args.json:
+        print(json.dumps({"golden": str(folder), "eager_in_band": eager.in_band(), "eager": eager.lines(),
+                          "comparisons": {name: {**asdict(a), "in_band": a.in_band()} for name, a in results.items()},
+                          "regions": optimized.report() if args.regions else None, "verdict": verdict,
+                          "index_ties": model.config.index_ties}, indent=1))
+        return 0 if verdict else 1
     console.print(f"verdict: {'in band' if verdict else 'OUT OF BAND'} (index_ties={model.config.index_ties})")
     return 0 if verdict else 1
 
@@ -344,6 +374,9 @@ def _serve_bench(args: argparse.Namespace) -> int:
     engine = Engine(_model(args), max_batch=args.conversations + 2)
     with _progress("serving the multi-turn workload"):
         report = run_workload(engine, Workload(conversations=args.conversations, turns=args.turns))
+    if args.json:
+        print(json.dumps(asdict(report), indent=1, default=str))
+        return 0
     table = Table(title=f"{report.requests} requests, {report.prompt_tokens} prompt tokens")
     for col in ("cache", "hit rate", "prefill tokens saved", "recomputed (max per hit)", "bytes per cached token"):
         table.add_column(col)
@@ -369,7 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-optimize", action="store_true", help="skip the compiler part")
     demo.set_defaults(func=_demo)
 
-    sub.add_parser("passes", help="list the passes, what they match and their options").set_defaults(func=_passes)
+    pas = sub.add_parser("passes", help="list the passes, what they match and their options")
+    pas.add_argument("--json", action="store_true", help="print the pass table as JSON")
+    pas.set_defaults(func=_passes)
 
     exp = sub.add_parser("explain", help="every match with its location and every near-miss with its reason")
     _add_target(exp)
@@ -393,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     ker = sub.add_parser("kernels", help="list generated kernels; --show NAME prints source and launch config")
     _add_target(ker)
     ker.add_argument("--show", metavar="NAME")
+    ker.add_argument("--json", action="store_true", help="print the kernel records as JSON")
     ker.set_defaults(func=_kernels)
 
     bis = sub.add_parser("bisect", help="find the first rewrite that breaks numerics beyond a tolerance")
@@ -422,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(sb)
     sb.add_argument("--conversations", type=int, default=4)
     sb.add_argument("--turns", type=int, default=4)
+    sb.add_argument("--json", action="store_true", help="print the serving report as JSON")
     sb.set_defaults(func=_serve_bench)
 
     chk = sub.add_parser("check", help="optimized vs eager vs a golden folder")
@@ -432,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--regions", action="store_true", help="also check every rewritten region numerically")
     chk.add_argument("--index-ties", choices=["lowest", "official"], default=None,
                      help="the indexer's tie rule (default: the config's, lowest)")
+    chk.add_argument("--json", action="store_true", help="print the scores and the verdict as JSON")
     chk.set_defaults(func=_check)
 
     div = sub.add_parser("diverge", help="two models on one input: every component and discrete choice in order, "

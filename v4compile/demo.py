@@ -138,14 +138,7 @@ def run_optimized(console: Console, model: DeepSeekV4, ids: torch.Tensor, prompt
     compile_s = time.perf_counter() - start
     _, fast_logits, prefill_s, decode_s = greedy_decode(opt, prompt, steps, forced=ids)
 
-    table = Table(title="pass report (all compiled graphs: forward+prefill, decode)")
-    for col in ("pass", "rewrites", "near-misses", "kernels", "worst region rel. error", "pass time"):
-        table.add_column(col, overflow="fold")
-    for row in opt.report():
-        worst = "-" if row["worst_rel_error"] is None else f"{row['worst_rel_error']:.2e}"
-        table.add_row(row["pass"], str(row["matches"]), str(row["near_misses"]), "\n".join(sorted(row["kernels"])),
-                      worst, f"{row['seconds'] * 1e3:.1f} ms")
-    console.print(table)
+    console.print(opt.report().table("pass report (all compiled graphs: forward+prefill, decode)"))
     shown = next((n for n in sorted(REGISTRY.records) if n.startswith("compressor_pool.c4")), None)
     if shown:
         record = REGISTRY.records[shown]

@@ -14,6 +14,7 @@ from .backend import make_backend
 from .codegen.ops import KERNEL_BACKENDS
 from .passes import PASSES, build_passes
 from .passes.manager import GraphReport, PassManager, summarize
+from .passes.summary import PassSummary
 
 BACKENDS = ("auto", *KERNEL_BACKENDS)
 
@@ -126,8 +127,9 @@ class OptimizedModel:
         """One report per compiled graph, in compile order."""
         return self.manager.reports
 
-    def report(self) -> list[dict[str, Any]]:
-        """Per-pass totals: matches, near-misses, time, kernels, worst numerics error (when checked)."""
+    def report(self) -> PassSummary:
+        """Per-pass totals: matches, near-misses, time, kernels, worst numerics error (when checked); prints as
+        the report table, ``to_json()`` for scripts."""
         return summarize(self.manager.reports)
 
 

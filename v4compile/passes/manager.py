@@ -23,6 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from .. import progress
 from ..codegen.registry import REGISTRY
 from .base import GraphPass, Location, Match, NearMiss, NoMatch, Rewrite, RewriteContext, locate
+from .summary import PassSummary, summary_rows
 
 
 @dataclass
@@ -197,9 +198,9 @@ class PassManager(CustomGraphPass):
         return gm, report
 
 
-def summarize(reports: list[GraphReport]) -> list[dict[str, Any]]:
+def summarize(reports: list[GraphReport]) -> PassSummary:
     """Per-pass totals over all graphs: matches, near-misses, seconds, kernels, worst numerics error and the
-    pass's stated tolerance."""
+    pass's stated tolerance (rows of plain JSON values that print as the report table)."""
     rows: dict[str, dict[str, Any]] = {}
     for report in reports:
         for stats in report.passes:
@@ -213,7 +214,7 @@ def summarize(reports: list[GraphReport]) -> list[dict[str, Any]]:
                 row["kernels"].add(m.kernel)
                 if m.worst_rel_error is not None:
                     row["worst_rel_error"] = max(row["worst_rel_error"] or 0.0, m.worst_rel_error)
-    return list(rows.values())
+    return summary_rows(list(rows.values()))
 
 
 __all__ = ["GraphReport", "Location", "PassManager", "PassStats", "apply_rewrite", "summarize"]
