@@ -375,7 +375,8 @@ def _serve_bench(args: argparse.Namespace) -> int:
     with _progress("serving the multi-turn workload"):
         report = run_workload(engine, Workload(conversations=args.conversations, turns=args.turns))
     if args.json:
-        print(json.dumps(asdict(report), indent=1, default=str))
+        print(json.dumps({**asdict(report), "hit_rate": report.hit_rate,
+                          "baseline_hit_rate": report.baseline_hit_rate}, indent=1))
         return 0
     table = Table(title=f"{report.requests} requests, {report.prompt_tokens} prompt tokens")
     for col in ("cache", "hit rate", "prefill tokens saved", "recomputed (max per hit)", "bytes per cached token"):
