@@ -69,10 +69,22 @@ def test_kernels_show_prints_source_and_launch(capsys: pytest.CaptureFixture) ->
     assert "grid" in out and "compressor_finish @" in out
     assert main(["kernels", "--entry", "decode", "--show", "nope"]) == 2
     capsys.readouterr()
-    assert main(["kernels", "--entry", "decode", "--backend", "reference", "--json"]) == 0
+
+
+def test_an_unknown_kernel_name_is_answered_before_compiling(capsys: pytest.CaptureFixture,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a kernel was built into the disk cache, a misspelt name gets its close matches at once."""
+    import v4compile.debugging
+
+    assert main(["kernels", "--entry", "decode", "--backend", "triton", "--json"]) == 0
     records = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     built = records["compressor_entry_state.c128.w128.fp8.triton"]
     assert built["backend"] == "triton" and built["launches"] >= 1 and built["regions"]
+    monkeypatch.setattr(v4compile.debugging, "explain", lambda *a, **k: pytest.fail("compiled for a known miss"))
+    assert main(["kernels", "--show", "compressor_entry_state.c128.w128.fp8.triotn"]) == 2
+    out = capsys.readouterr().out
+    assert "no kernel named 'compressor_entry_state.c128.w128.fp8.triotn'" in out
+    assert "close matches: compressor_entry_state.c128.w128.fp8.triton" in out
 
 
 def test_bad_arguments_are_clear(capsys: pytest.CaptureFixture) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 from dataclasses import asdict
@@ -175,10 +176,21 @@ def _dump(args: argparse.Namespace) -> int:
     return 0
 
 
+def _unknown_kernel(name: str, known: list[str], where: str) -> int:
+    close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
+    console.print(f"[red]no kernel named {name!r} {where}[/red]", highlight=False)
+    console.print("close matches: " + (", ".join(close) if close else "none") + f"; all {len(known)}: "
+                  + ", ".join(known), highlight=False, soft_wrap=True)
+    return 2
+
+
 def _kernels(args: argparse.Namespace) -> int:
-    from .codegen.registry import REGISTRY, cache_dir
+    from .codegen.registry import REGISTRY, cache_dir, cached_names
     from .debugging import explain
 
+    known = cached_names()
+    if args.show and known and args.show not in known:
+        return _unknown_kernel(args.show, known, f"among those built before (disk cache {cache_dir()})")
     with _progress("building the kernels the passes choose"):
         explain(_model(args), backend=args.backend, entries=_entries(args))
     if args.json:
@@ -190,8 +202,7 @@ def _kernels(args: argparse.Namespace) -> int:
     if args.show:
         record = REGISTRY.records.get(args.show)
         if record is None:
-            console.print(f"[red]no kernel named {args.show!r}; known: {', '.join(sorted(REGISTRY.records))}[/red]")
-            return 2
+            return _unknown_kernel(args.show, sorted(REGISTRY.records), "among the kernels this model's passes build")
         console.rule(f"{record.name}  ({record.backend}, {record.op})")
         console.print(Syntax(record.source, "python", line_numbers=True))
         console.print(f"source file: {record.path}")

@@ -25,6 +25,19 @@ def cache_dir() -> Path:
     return path
 
 
+def cached_names() -> list[str]:
+    """Names of the kernels built before into this disk cache, by any process (one marker file per name): lets
+    a tool answer for a name without compiling anything."""
+    folder = cache_dir() / "names"
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+def _remember_name(name: str) -> None:
+    folder = cache_dir() / "names"
+    folder.mkdir(exist_ok=True)
+    (folder / name).touch()
+
+
 @dataclass
 class KernelRecord:
     """What a user may inspect about one kernel."""
@@ -79,6 +92,7 @@ class KernelRegistry:
             path = cache_dir() / f"{name.replace('.', '_')}_{digest}.py"
             if not path.exists() or path.read_text() != source:
                 path.write_text(source)
+            _remember_name(name)
             record = self.records.get(name) or KernelRecord(name, backend, op, source, digest, str(path),
                                                             regions=self._pending_regions.pop(name, []))
             record.source, record.source_hash, record.path = source, digest, str(path)
