@@ -10,9 +10,17 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import warnings
+
+from . import logs
 from .model import ConfigError, DeepSeekV4, InputError, V4Cache, V4Config
 from .model.checkpoint import CheckpointError, load
 from .optimize import OptimizedModel, optimize
+
+try:
+    logs.configure()
+except ValueError as _bad:
+    warnings.warn(str(_bad), stacklevel=2)
 
 __all__ = ["CheckpointError", "ConfigError", "DeepSeekV4", "InputError", "OptimizedModel", "V4Cache", "V4Config",
            "load", "optimize"]

@@ -89,9 +89,8 @@ def _explain(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=1, default=str))
         return 0
-    names = list(_entries(args))
-    for i, report in enumerate(reports):
-        title = names[i] if i < len(names) else report.graph
+    for report in reports:
+        title = report.graph
         matches = Table(title=f"{title}: {len(report.matches)} rewrites ({report.nodes_before} -> "
                               f"{report.nodes_after} nodes)")
         for col in ("pass", "location", "kernel"):

@@ -80,7 +80,7 @@ def _logged(entry: str, compiled: Any, manager: PassManager) -> Any:
 
     def call(*args: Any, **kwargs: Any) -> Any:
         graphs = len(manager.reports)
-        with progress.call(entry):
+        with progress.call("prefill" if entry == "forward" and kwargs.get("cache") is not None else entry):
             out = compiled(*args, **kwargs)
             if len(manager.reports) != graphs:
                 progress.log("compiled and ran: later calls with these shapes reuse the compiled code")

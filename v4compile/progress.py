@@ -2,30 +2,27 @@
 Inductor, kernel builds), with elapsed time, so a long first call is never a silent wait.
 
 Lines go to the ``v4compile.compile`` logger at INFO. When the application has configured no logging, they are
-printed on stderr; silence them with ``logging.getLogger("v4compile").setLevel(logging.WARNING)``.
+printed on stderr; silence them with ``V4COMPILE_LOGS=-compile`` or
+``logging.getLogger("v4compile").setLevel(logging.WARNING)`` (``logs`` lists the other topics).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-LOGGER = logging.getLogger("v4compile.compile")
+from . import logs
+
+LOGGER = logs.logger("compile")
 _state = threading.local()
 
 
 def _ensure_output() -> None:
-    """Prints on stderr unless the application set up logging (then its handlers decide)."""
-    if LOGGER.handlers or logging.getLogger().handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("v4compile | %(message)s"))
-    LOGGER.addHandler(handler)
-    LOGGER.propagate = False
+    """Prints on stderr unless the application set up logging; INFO unless a level was chosen."""
+    logs.ensure_output(LOGGER)
     if LOGGER.level == logging.NOTSET and logging.getLogger("v4compile").level == logging.NOTSET:
         LOGGER.setLevel(logging.INFO)
 
@@ -34,6 +31,11 @@ def elapsed() -> float:
     """Seconds since the current optimized call began (0 outside one)."""
     start = getattr(_state, "start", None)
     return 0.0 if start is None else time.perf_counter() - start
+
+
+def current_entry() -> str | None:
+    """The optimized entry point whose call is running (``forward``, ``hidden_states``, ``decode_step``...), if any."""
+    return getattr(_state, "entry", None)
 
 
 def log(message: str) -> None:

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import progress
+from .. import logs, progress
+
+_LOG = logs.logger("kernels")
 
 
 def cache_dir() -> Path:
@@ -103,6 +105,7 @@ class KernelRegistry:
                 record.error = self._failed[key] = f"{type(exc).__name__}: {exc}"
                 raise KernelBuildError(f"kernel {name} failed to build: {record.error}") from exc
             record.error = None  # an earlier failure belonged to another specialisation of this name
+            _LOG.info("built %s (%s, %s) from %s", name, backend, op, path)
             self._kernels[key] = kernel
             return kernel
 
@@ -139,6 +142,8 @@ class KernelRegistry:
         if record is not None:
             record.launch = launch
             record.launches += 1
+            if record.launches == 1:
+                _LOG.info("%s: first launch %s", name, launch)
 
     def note_region(self, name: str, region: str) -> None:
         """Records that ``name`` replaced the graph region described by ``region``."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import operator
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,10 +21,13 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .. import progress
+from .. import logs, progress
 from ..codegen.registry import REGISTRY
 from .base import GraphPass, Location, Match, NearMiss, NoMatch, Rewrite, RewriteContext, locate
 from .summary import PassSummary, summary_rows
+
+_PASSES = logs.logger("passes")
+_GRAPHS = logs.logger("graphs")
 
 
 @dataclass
@@ -147,9 +151,17 @@ class PassManager(CustomGraphPass):
         """Inductor's custom-pass entry point."""
         self.run(graph.owning_module)
 
+    def _graph_name(self) -> str:
+        # named by the entry point being compiled; a second graph of it (a new shape) gets -1, -2, ...
+        base = progress.current_entry() or "graph"
+        taken = {r.graph for r in self.reports}
+        if base not in taken:
+            return base
+        return next(f"{base}-{i}" for i in range(1, len(taken) + 2) if f"{base}-{i}" not in taken)
+
     def run(self, gm: fx.GraphModule, name: str | None = None) -> tuple[fx.GraphModule, GraphReport]:
         """Rewrites ``gm`` in place and returns it with its report."""
-        name = name or f"graph{len(self.reports)}"
+        name = name or self._graph_name()
         report = GraphReport(name, len(gm.graph.nodes))
         ctx = RewriteContext(backend=self.backend)
         folder = self.debug_dir / name if self.debug_dir else None
@@ -169,6 +181,7 @@ class PassManager(CustomGraphPass):
                     rewrite = graph_pass.analyze(node, ctx)
                 except NoMatch as miss:
                     stats.near_misses.append(NearMiss(graph_pass.name, locate(node), str(miss)))
+                    _PASSES.debug("%s: %s near-miss at %s: %s", name, graph_pass.name, locate(node), miss)
                     continue
                 location = locate(node)
                 if self.fuel is not None and self.fuel <= 0:
@@ -179,6 +192,7 @@ class PassManager(CustomGraphPass):
                               rewrite.kernel, rewrite.details)
                 apply_rewrite(gm.graph, rewrite, check=match if self.check else None)
                 stats.matches.append(match)
+                _PASSES.info("%s: %s rewrote %s -> %s", name, graph_pass.name, location, rewrite.kernel)
                 if rewrite.annotate is None:
                     REGISTRY.note_region(rewrite.kernel, f"{graph_pass.name} @ {location}")
                 if self.fuel is not None:
@@ -192,6 +206,10 @@ class PassManager(CustomGraphPass):
                 text = gm.print_readable(print_output=False)
                 (folder / f"{index:02d}-after-{graph_pass.name}.txt").write_text(text)
         report.nodes_after = len(gm.graph.nodes)
+        _GRAPHS.info("%s: %d -> %d nodes, %d rewrites", name, report.nodes_before, report.nodes_after,
+                     len(report.matches))
+        if _GRAPHS.isEnabledFor(logging.DEBUG):
+            _GRAPHS.debug("%s after the passes:\n%s", name, gm.print_readable(print_output=False))
         self.reports.append(report)
         if folder:
             (folder / "report.json").write_text(json.dumps(report.to_dict(), indent=1, default=str))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import batch_invariant
+from .. import batch_invariant, logs
 from ..model.cache import V4Cache
 from ..model.config import V4Config
 from ..model.routing import Routing
@@ -25,6 +25,8 @@ from .hisparse import HiSparse, HiSparseCache, device_row_bytes, slot_bytes
 from .prefix_store import PrefixStore
 from .requests import RequestError, RequestOutput
 from .sampling import sample
+
+_LOG = logs.logger("engine")
 
 
 @dataclass
@@ -143,6 +145,7 @@ class Engine:
                 tokens = self._validate(prompt, limit)
             except RequestError as exc:
                 outputs[i].error, outputs[i].finish_reason = str(exc), "error"
+                _LOG.info("request %d rejected: %s", i, exc)
                 continue
             generator = None
             if temperature > 0:
@@ -219,6 +222,8 @@ class Engine:
             req.done = hit.resume_len
             req.out.cache.cached_tokens = hit.resume_len
             req.out.cache.recomputed_tokens = hit.recompute_tokens
+        _LOG.info("request %d admitted: %d prompt tokens, %d from the prefix cache", req.out.index,
+                  len(req.prompt), req.out.cache.cached_tokens)
         return req
 
     def _prefill_piece(self, req: _Request, temperature: float, top_p: float) -> bool:
@@ -337,6 +342,7 @@ class Engine:
         if len(req.out.tokens) < req.max_new:
             return False
         req.out.finish_reason = "length"
+        _LOG.info("request %d finished: %d tokens (%s)", req.out.index, len(req.out.tokens), req.out.finish_reason)
         if req.routing:
             req.out.routing = _concat(req.routing, len(req.prompt) + len(req.out.tokens) - 1)
             req.routing = []
