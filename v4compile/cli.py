@@ -239,13 +239,24 @@ def _bisect(args: argparse.Namespace) -> int:
             progress.console.print(f"  fuel {fuel:4d}: mean row error {error:.3e}")
 
         result = bisect(model, backend=args.backend, tolerance=args.tolerance, entry=args.bisect_entry, progress=tick)
+    worst = ("" if result.worst_region is None else
+             f"; worst region {result.worst_region[0].pass_name} at {result.worst_region[0].location}: "
+             f"{result.worst_region[0].worst_rel_error:.2e}, {result.worst_region[1]:.2g}x its pass's tolerance")
     if result.culprit is None:
-        console.print(f"[green]all {result.total_rewrites} rewrites keep the {args.bisect_entry} logits within "
-                      f"{args.tolerance:g} (mean row error {result.error_at:.3e})[/green]")
+        console.print(f"[green]all {result.total_rewrites} rewritten regions are within their passes' tolerances, "
+                      f"checked beside the model code on the same inputs{worst}[/green]", highlight=False)
+        moved = "above" if result.logits_error > args.tolerance else "within"
+        console.print(f"{args.bisect_entry} logits: mean row error {result.logits_error:.3e}, {moved} "
+                      f"{args.tolerance:g}" + (" (the random model's amplification of in-tolerance roundings: a "
+                                               "routing or top-k choice flipped, not a broken rewrite)"
+                                               if moved == "above" else ""), highlight=False)
         return 0
     m = result.culprit
+    region = ("its region is out of its pass's tolerance: relative error "
+              f"{m.worst_rel_error:.2e}" if result.worst_region is not None else
+              "no region check covers it (an annotation): found by the logits' error over fuel")
     console.print(f"[red]rewrite {result.culprit_index} of {result.total_rewrites} breaks numerics[/red]: "
-                  f"{m.pass_name} at {m.location} -> kernel {m.kernel}")
+                  f"{m.pass_name} at {m.location} -> kernel {m.kernel}; {region}", highlight=False)
     console.print(f"mean row error {result.error_before:.3e} with {result.culprit_index - 1} rewrites, "
                   f"{result.error_at:.3e} with {result.culprit_index}")
     return 1
