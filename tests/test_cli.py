@@ -72,20 +72,25 @@ def test_kernels_show_prints_source_and_launch(capsys: pytest.CaptureFixture) ->
     capsys.readouterr()
 
 
-def test_an_unknown_kernel_name_is_answered_before_compiling(capsys: pytest.CaptureFixture,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once a kernel was built into the disk cache, a misspelt name gets its close matches at once."""
-    import v4compile.debugging
+def test_kernels_json_and_an_unknown_name_answered_before_compiling(capsys: pytest.CaptureFixture,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel built for real (the MoE activation quantizer, under the interpreter), the model compile stubbed
+    out: ``--json`` lists its record, and a misspelt name gets its close matches without compiling anything."""
+    import torch
 
-    assert main(["kernels", "--entry", "decode", "--backend", "triton", "--json"]) == 0
+    import v4compile.debugging
+    from v4compile.codegen.triton import moe
+
+    moe.simulate_fp8(torch.randn(4, 256).bfloat16(), True)
+    monkeypatch.setattr(v4compile.debugging, "explain", lambda *a, **k: None)
+    assert main(["kernels", "--json"]) == 0
     records = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
-    built = records["compressor_entry_state.c128.w128.fp8.triton"]
-    assert built["backend"] == "triton" and built["launches"] >= 1 and built["regions"]
+    assert records["moe_experts.fp8.triton"]["backend"] == "triton"
+    assert Path(records["moe_experts.fp8.triton"]["path"]).is_file()
     monkeypatch.setattr(v4compile.debugging, "explain", lambda *a, **k: pytest.fail("compiled for a known miss"))
-    assert main(["kernels", "--show", "compressor_entry_state.c128.w128.fp8.triotn"]) == 2
+    assert main(["kernels", "--show", "moe_experts.fp8.tritn"]) == 2
     out = capsys.readouterr().out
-    assert "no kernel named 'compressor_entry_state.c128.w128.fp8.triotn'" in out
-    assert "close matches: compressor_entry_state.c128.w128.fp8.triton" in out
+    assert "no kernel named 'moe_experts.fp8.tritn'" in out and "close matches: moe_experts.fp8.triton" in out
 
 
 def test_bad_arguments_are_clear(capsys: pytest.CaptureFixture) -> None:
