@@ -18,7 +18,21 @@ import torch
 from torch import fx
 
 from ..codegen import ops
+from ..codegen.tilelang.sparse_attention import kernel_name as tilelang_attention_kernel_name
+from ..codegen.triton.indexer_scores import kernel_name as indexer_kernel_name
+from ..codegen.triton.sparse_attention import kernel_name as attention_kernel_name
 from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, shape
+
+
+def _attention_kernel(dim: int, impl: str, q: fx.Node, kv: fx.Node) -> str:
+    # the name the kernel registers under (the registry's, the CLI's and the reports' one name)
+    if impl == "triton":
+        vals = (q.meta.get("val"), kv.meta.get("val"))
+        low = all(v is not None and v.dtype == torch.bfloat16 for v in vals)
+        return attention_kernel_name(dim, low)
+    if impl == "tilelang":
+        return tilelang_attention_kernel_name(dim)
+    return f"sparse_attention.d{dim}.{impl}"
 
 aten = torch.ops.aten
 ATTENTION_SCORES = "bshd,bskd->bshk"
@@ -112,7 +126,7 @@ class SparseAttention(GraphPass):
         _kernel_dim_ok(dims[-1], "attention")
         impl = ops.implementation_backend("sparse_attention", ctx.backend, q.meta.get("val"))
         return Rewrite(_single_value(out), ops.sparse_attention, (q, kv, sink, index, scale, ctx.backend),
-                       f"sparse_attention.d{dims[-1]}.{impl}",
+                       _attention_kernel(dims[-1], impl, q, kv),
                        {"form": "attention", "heads": dims[2], "dim": dims[-1], "entries": k, "queries": dims[1]})
 
     def _official_softmax(self, node: fx.Node, weights: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
@@ -223,8 +237,10 @@ class SparseAttention(GraphPass):
         if sink is total or sink.meta.get("val") is None or sink.meta["val"].dtype != torch.float32:
             raise NoMatch("the head sum is not returned as fp32 scores")
         impl = ops.implementation_backend("indexer_scores", ctx.backend, q.meta.get("val"))
-        return Rewrite(sink, ops.indexer_scores, (q, _strip_casts(keys), weights, ctx.backend),
-                       f"indexer_scores.d{dims[-1]}.{impl}",
+        dtype = q.meta["val"].dtype if q.meta.get("val") is not None else torch.float32
+        name = (indexer_kernel_name(dims[-1], dtype, impl) if impl in ("triton", "tilelang")
+                else f"indexer_scores.d{dims[-1]}.{impl}")
+        return Rewrite(sink, ops.indexer_scores, (q, _strip_casts(keys), weights, ctx.backend), name,
                        {"form": "indexer scores", "heads": dims[2], "dim": dims[-1], "keys": (shape(keys) or (0,))[1],
                         "fused_with_topk": False})
 
