@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from typing import Any
 
@@ -34,20 +35,12 @@ class PassSummary(list):
         return json.dumps(list(self), indent=1)
 
     def __str__(self) -> str:
-        console = Console(width=200, record=True, file=_Null())
+        console = Console(width=200, file=io.StringIO())
         console.print(self.table())
-        return console.export_text()
+        return console.file.getvalue()
 
     def __rich__(self) -> Table:
         return self.table()
-
-
-class _Null:
-    def write(self, text: str) -> int:
-        return len(text)
-
-    def flush(self) -> None:
-        return None
 
 
 def summary_rows(rows: list[dict[str, Any]]) -> PassSummary:
