@@ -46,24 +46,48 @@ def test_matches_the_models_fp8_linear(rows: int, n: int, k: int, pow2: bool) ->
 def test_the_fp8_tensor_core_path_runs_under_the_interpreter(rows: int, n: int, k: int) -> None:
     layer = fp8_layer(k, n, True)
     x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 4).bfloat16()
-    out = fp8_linear(x, layer.weight, layer.scale, True, launch_config(rows, n, False) | {"FP8_DOT": 1})
+    out = fp8_linear(x, layer.weight, layer.scale, True, config=launch_config(rows, n, k, False) | {"FP8_DOT": 1})
     expected = layer.unrounded(x)
     assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize(("split", "group", "bm"), [(2, 1, 16), (3, 2, 16), (5, 4, 32)])
+def test_k_splits_and_grouped_tiles_sum_what_one_program_sums(split: int, group: int, bm: int) -> None:
+    layer = fp8_layer(640, 150, True, seed=split)
+    x = (torch.randn(70, 640, generator=torch.Generator().manual_seed(group)) * 4).bfloat16()
+    config = launch_config(70, 150, 640, False) | {"SPLIT": split, "GROUP": group, "BM": bm, "BN": 32}
+    expected = layer.unrounded(x)
+    out = fp8_linear(x, layer.weight, layer.scale, True, config=config)
+    assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
+    rounded = fp8_linear(x, layer.weight, layer.scale, True, torch.bfloat16, config=config)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.bfloat16())
+
+
+def test_bf16_output_is_the_fp32_output_rounded_once() -> None:
+    layer = fp8_layer(256, 200, False)
+    x = (torch.randn(9, 256, generator=torch.Generator().manual_seed(4)) * 4).bfloat16()
+    out = fp8_linear(x, layer.weight, layer.scale, False)
+    assert torch.equal(fp8_linear(x, layer.weight, layer.scale, False, torch.bfloat16), out.bfloat16())
+    with pytest.raises(ValueError, match="out_dtype"):
+        fp8_linear(x, layer.weight, layer.scale, False, torch.float16)
 
 
 def test_op_runs_the_kernel_and_its_reference_alike() -> None:
     layer = fp8_layer(256, 96, True)
     x = torch.randn(3, 256).bfloat16()
-    fast = ops.fp8_linear(x, layer.weight, layer.scale, True, "triton")
-    ref = ops.fp8_linear(x, layer.weight, layer.scale, True, "reference")
+    fast = ops.fp8_linear(x, layer.weight, layer.scale, True, torch.float32, "triton")
+    ref = ops.fp8_linear(x, layer.weight, layer.scale, True, torch.float32, "reference")
     assert torch.equal(ref, layer.unrounded(x))
     assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max()
+    rounded = ops.fp8_linear(x, layer.weight, layer.scale, True, torch.bfloat16, "reference")
+    assert torch.equal(rounded, layer(x))
+    assert torch.equal(ops.fp8_linear(x, layer.weight, layer.scale, True, torch.bfloat16, "triton"), fast.bfloat16())
 
 
 def test_gradient_is_the_models() -> None:
     layer = fp8_layer(128, 64, True)
     x = torch.randn(4, 128, requires_grad=True)
-    ops.fp8_linear(x, layer.weight, layer.scale, True, "triton").sum().backward()
+    ops.fp8_linear(x, layer.weight, layer.scale, True, torch.float32, "triton").sum().backward()
     y = x.detach().requires_grad_()
     layer.unrounded(y).sum().backward()
     assert x.grad is not None and torch.equal(x.grad, y.grad)
@@ -72,6 +96,6 @@ def test_gradient_is_the_models() -> None:
 def test_bad_scale_shape_names_the_tensor() -> None:
     layer = fp8_layer(256, 130, True)
     with pytest.raises(ValueError, match=r"block scales of shape \(2, 2\).*got \(1, 2\)"):
-        ops.fp8_linear(torch.randn(1, 256), layer.weight, layer.scale[:1], True, "triton")
+        ops.fp8_linear(torch.randn(1, 256), layer.weight, layer.scale[:1], True, torch.float32, "triton")
     with pytest.raises(ValueError, match="activation has 128 features"):
-        ops.fp8_linear(torch.randn(1, 128), layer.weight, layer.scale, True, "triton")
+        ops.fp8_linear(torch.randn(1, 128), layer.weight, layer.scale, True, torch.float32, "triton")

@@ -44,7 +44,9 @@ def test_matches_the_models_fp8_linear(rows: int, n: int, k: int, pow2: bool, fp
     gen = torch.Generator(device="cuda").manual_seed(k)
     x = (torch.randn(rows, k, generator=gen, device="cuda") * 3).bfloat16()
     want = layer.unrounded(x)
-    got = fp8_linear(x, layer.weight, layer.scale, pow2, launch_config(rows, n, True) | {"FP8_DOT": fp8_dot})
+    config = launch_config(rows, n, k, True) | {"FP8_DOT": fp8_dot}
+    got = fp8_linear(x, layer.weight, layer.scale, pow2, config=config)
+    assert torch.equal(fp8_linear(x, layer.weight, layer.scale, pow2, torch.bfloat16, config=config), got.bfloat16())
     exact = not (pow2 and fp8_dot)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert rel_err(got, want) < (1e-5 if exact else 5e-4)
@@ -55,10 +57,10 @@ def test_matches_the_models_fp8_linear(rows: int, n: int, k: int, pow2: bool, fp
 def test_replays_in_a_cuda_graph() -> None:
     layer = fp8_layer(4096, 2048, True, seed=3)
     x = torch.randn(16, 4096, device="cuda").bfloat16()
-    ops.fp8_linear(x, layer.weight, layer.scale, True, "triton")
+    ops.fp8_linear(x, layer.weight, layer.scale, True, torch.float32, "triton")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops.fp8_linear(x, layer.weight, layer.scale, True, "triton")
+        out = ops.fp8_linear(x, layer.weight, layer.scale, True, torch.float32, "triton")
     x.copy_(torch.randn(16, 4096, device="cuda").bfloat16())
     graph.replay()
     assert rel_err(out, layer.unrounded(x)) < 5e-4

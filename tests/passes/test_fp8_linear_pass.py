@@ -52,7 +52,8 @@ def test_a_layer_of_any_shape_dtype_and_scale_rule_is_rewritten(lead: tuple, dty
     [match] = stats.matches
     assert match.kernel == "fp8_linear.triton"
     assert match.details | {"weight": ""} == {"rows": torch.Size(lead).numel(), "out_features": 130,
-                                              "in_features": 256, "pow2_scales": pow2, "weight": ""}
+                                              "in_features": 256, "pow2_scales": pow2, "weight": "",
+                                              "out_dtype": "bfloat16"}
     assert got.dtype == torch.bfloat16 and got.shape == (*lead, 130)
     assert (got != want).float().mean() <= 0.02
     assert (got.float() - want.float()).abs().max() <= 0.01 * want.float().abs().max()

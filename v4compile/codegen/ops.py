@@ -330,18 +330,20 @@ _reference_backward(moe_experts, "moe_experts")
 
 # ----------------------------------------------------------------------------- fp8_linear
 @torch.library.custom_op("v4compile::fp8_linear", mutates_args=())
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool, backend: str) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool, out_dtype: torch.dtype,
+               backend: str) -> torch.Tensor:
     """The model's FP8 ``Linear`` on x [..., K]: activation to e4m3 per 128 along K, times the e4m3 weight [N, K]
-    with its e8m0 128x128 block ``scale``, accumulated in fp32 -> [..., N] fp32 (before the bf16 rounding)."""
+    with its e8m0 128x128 block ``scale``, accumulated in fp32 -> [..., N] as fp32 (``Linear.unrounded``) or,
+    with ``out_dtype`` bf16, rounded once to bf16 (``Linear.forward``: the kernel writes half the bytes)."""
     from .triton.fp8_linear import check_fp8_weight
 
     check_fp8_weight("v4compile::fp8_linear", x, weight, scale)
-    return _run("fp8_linear", backend, x, weight, scale, pow2)
+    return _run("fp8_linear", backend, x, weight, scale, pow2, out_dtype)
 
 
 @fp8_linear.register_fake
-def _(x, weight, scale, pow2, backend):
-    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+def _(x, weight, scale, pow2, out_dtype, backend):
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=out_dtype)
 
 
 _reference_backward(fp8_linear, "fp8_linear")

@@ -86,7 +86,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     return functional_call(module, params, (x, weights, ids))
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool) -> torch.Tensor:
-    """The model's FP8 ``Linear`` before its bf16 rounding (``Linear.unrounded``): fp32 [..., N]."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The model's FP8 ``Linear``: fp32 [..., N] before its bf16 rounding (``Linear.unrounded``), or rounded to
+    ``out_dtype`` bf16 (``Linear.forward``)."""
     xq = quant.fp8_simulate(x, quant.FP8_ACT_BLOCK, pow2).float()
-    return torch.nn.functional.linear(xq, quant.dequant_fp8_weight(weight, scale))
+    return torch.nn.functional.linear(xq, quant.dequant_fp8_weight(weight, scale)).to(out_dtype)

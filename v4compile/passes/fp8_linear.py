@@ -7,7 +7,9 @@ tensor. Each is bound against ``Linear.unrounded`` traced to ATen for the produc
 and the weight's shape, with both scale rules (power-of-two and unrounded activation scales): the model's own
 code is the pattern, so a match computes what the model computes (up to fp32 summation order and, on the GPU's
 FP8 tensor cores, their block accumulation; see codegen/triton/fp8_linear.py) and a near-miss names the first
-operation that differs. The product is replaced; the model's rounding of it to bf16 stays in the graph.
+operation that differs. When the product's one use is the model's rounding to bf16 (``Linear.forward``), the
+op writes bf16 and replaces the rounding too (half the output bytes, no rounding kernel); a product used in fp32
+(a row-parallel layer's partial sum, ``Linear.unrounded``) stays fp32.
 """
 
 from __future__ import annotations
@@ -107,9 +109,24 @@ class Fp8Linear(GraphPass):
         if w is not weight:
             raise NoMatch(f"the product's weight is not {weight.name} as stored")
         impl = ops.implementation_backend("fp8_linear", ctx.backend)
+        rounding = _bf16_rounding(node)
+        out_dtype = torch.float32 if rounding is None else torch.bfloat16
         details = {"rows": int(torch.Size(x_shape[:-1]).numel()), "out_features": n, "in_features": k,
-                   "pow2_scales": pow2, "weight": w.name}
-        return Rewrite(node, ops.fp8_linear, (x, w, s, pow2, ctx.backend), f"fp8_linear.{impl}", details)
+                   "pow2_scales": pow2, "weight": w.name, "out_dtype": str(out_dtype).removeprefix("torch.")}
+        return Rewrite(rounding or node, ops.fp8_linear, (x, w, s, pow2, out_dtype, ctx.backend),
+                       f"fp8_linear.{impl}", details)
+
+
+def _bf16_rounding(product: fx.Node) -> fx.Node | None:
+    """The product's rounding to bf16 when that is its only use (the cast the op then computes), else None."""
+    users = list(product.users)
+    if len(users) != 1:
+        return None
+    cast = users[0]
+    if not is_op(cast, aten.to, aten._to_copy, torch.ops.prims.convert_element_type):
+        return None
+    targets = [a for a in (*cast.args[1:], cast.kwargs.get("dtype")) if isinstance(a, torch.dtype)]
+    return cast if targets == [torch.bfloat16] and dtype(cast) == torch.bfloat16 else None
 
 
 def _activation(operand: fx.Node) -> fx.Node:

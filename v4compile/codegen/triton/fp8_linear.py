@@ -50,38 +50,72 @@ def fp8_quant(X, CODES, SCALES, rows, s_x, s_c, s_s, POW2: tl.constexpr, BR: tl.
     x = tl.load(X + r[:, None] * s_x + c[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
     scale = _act_scale(x, POW2)
     q = _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0))
-    tl.store(CODES + r[:, None] * s_c + c[None, :], _e4m3_code(q).to(tl.uint8), mask=rm[:, None])
+    tl.store(CODES + r[:, None] * s_c + c[None, :], _e4m3_code(q).to(tl.uint8).to(tl.float8e4nv, bitcast=True),
+             mask=rm[:, None])
     tl.store(SCALES + r * s_s + tl.program_id(1), scale, mask=rm)
 
 
 @triton.jit
-def fp8_gemm(CODES, SCALES, W, S, OUT, M, N, K, s_c, s_s, s_w, s_ws, s_o, POW2: tl.constexpr,
-             FP8_DOT: tl.constexpr, TL_DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    m = tl.program_id(0) * BM + tl.arange(0, BM)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
+def fp8_gemm(CODES, SCALES, W, S, OUT, M, N, K, s_c, s_s, s_w, s_ws, s_o, s_part, POW2: tl.constexpr,
+             FP8_DOT: tl.constexpr, TL_DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             GROUP: tl.constexpr, SPLIT: tl.constexpr, OUT_BF16: tl.constexpr):
+    # program order: GROUP row tiles walk one band of column tiles together (their weight tiles stay in L2);
+    # axis 1 is the K split, each split a fixed range of K blocks
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM)
+    band = GROUP * tl.cdiv(N, BN)
+    first = (pid // band) * GROUP
+    rows_here = tl.minimum(tiles_m - first, GROUP)
+    m = (first + (pid % band) % rows_here) * BM + tl.arange(0, BM)
+    n0 = ((pid % band) // rows_here) * BN
+    n = n0 + tl.arange(0, BN)
+    per_split = tl.cdiv(K // 128, SPLIT) * 128
+    k_lo = tl.program_id(1) * per_split
+    k_hi = tl.minimum(K, k_lo + per_split)
     mm = m < M
     nm = n < N
+    wn = tl.minimum(n, N - 1)
     j = tl.arange(0, 128)
     acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, 128):
+    for k0 in range(k_lo, k_hi, 128):
         k = k0 + j
-        codes = tl.load(CODES + m[:, None] * s_c + k[None, :], mask=mm[:, None], other=0)
-        sa = tl.load(SCALES + m * s_s + k0 // 128, mask=mm, other=0.0)
-        w = tl.load(W + n[:, None] * s_w + k[None, :], mask=nm[:, None], other=0)
-        sw = _e8m0(tl.load(S + (n // 128) * s_ws + k0 // 128, mask=nm, other=127))
+        # unmasked loads (CODES and SCALES hold whole row tiles, weight rows past N repeat row N-1): what is
+        # computed past M or N is never stored
+        codes = tl.load(CODES + m[:, None] * s_c + k[None, :])
+        sa = tl.load(SCALES + m * s_s + k0 // 128)
+        w = tl.load(W + wn[:, None] * s_w + k[None, :])
+        # a column tile lies in one 128-row weight block: one scale per K block
+        sw = _e8m0(tl.load(S + (n0 // 128) * s_ws + k0 // 128))
         if FP8_DOT:
-            part = tl.dot(codes.to(tl.float8e4nv, bitcast=True), tl.trans(w.to(tl.float8e4nv, bitcast=True)))
-            acc += part * sa[:, None] * sw[None, :]
+            acc += tl.dot(codes, tl.trans(w)) * (sa * sw)[:, None]
         else:
-            av = _e4m3(codes) * sa[:, None]
+            av = _e4m3(codes.to(tl.uint8, bitcast=True)) * sa[:, None]
             if not POW2:
                 av = _round_bf16(av)
-            wv = _e4m3(w) * sw[:, None]
+            wv = _e4m3(w.to(tl.uint8, bitcast=True)) * sw
             if TL_DOT:
                 acc += tl.dot(av.to(DOT), tl.trans(wv.to(DOT)), input_precision="ieee")
             else:
                 acc += tl.sum(av[:, None, :] * wv[None, :, :], axis=2)
-    tl.store(OUT + m[:, None] * s_o + n[None, :], acc, mask=mm[:, None] & nm[None, :])
+    out = OUT + tl.program_id(1) * s_part + m[:, None] * s_o + n[None, :]
+    if OUT_BF16:
+        tl.store(out, _round_bf16(acc).to(tl.bfloat16), mask=mm[:, None] & nm[None, :])
+    else:
+        tl.store(out, acc, mask=mm[:, None] & nm[None, :])
+
+
+@triton.jit
+def fp8_split_sum(PARTS, OUT, total, s_part, SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, BE: tl.constexpr):
+    # the K splits' partial products summed in split order (the same order for every row and batch)
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    em = e < total
+    acc = tl.load(PARTS + e, mask=em, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(PARTS + s * s_part + e, mask=em, other=0.0)
+    if OUT_BF16:
+        tl.store(OUT + e, _round_bf16(acc).to(tl.bfloat16), mask=em)
+    else:
+        tl.store(OUT + e, acc, mask=em)
 '''
 
 
@@ -90,19 +124,23 @@ def kernel_name() -> str:
     return "fp8_linear.triton"
 
 
-def launch_config(m: int, n: int, cuda: bool) -> dict[str, int]:
-    """Row tiles of 16 (the tensor cores' minimum) while decoding and 128 for prefill; column tiles as wide as
-    leave at least two programs per SM (decode reads the weight once, so it needs every SM streaming), down to
-    16; FP8 tensor-core dots where the scales allow; the interpreter gets few, large programs."""
+def launch_config(m: int, n: int, k: int, cuda: bool) -> dict[str, int]:
+    """Row tiles of 16 (the tensor cores' minimum) while decoding and 128 for prefill. Decode reads the weight
+    once and is latency-bound, so a long K (16+ blocks) is split into up to eight ranges summed afterwards in
+    a fixed order; the split depends only on K, so a row's sums do not depend on the batch. Prefill walks eight
+    row tiles per band of column tiles. FP8 tensor-core dots where the scales allow. From an H200 sweep
+    (RESULTS.md); the interpreter gets few, large programs."""
     if not cuda:
         return {"BM": min(64, triton_next_pow2(max(m, 1))), "BN": min(64, triton_next_pow2(n)), "BR": 64,
-                "num_warps": 4, "num_stages": 1, "FP8_DOT": 0}
-    bm = 16 if m <= 16 else 64 if m <= 64 else 128
-    bn = 128
-    while bn > 16 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < 2 * SMS:
-        bn //= 2
-    warps = 8 if bm == 128 and bn == 128 else 4
-    return {"BM": bm, "BN": bn, "BR": 16, "num_warps": warps, "num_stages": 4 if bm <= 64 else 3, "FP8_DOT": 1}
+                "num_warps": 4, "num_stages": 1, "FP8_DOT": 0, "GROUP": 1, "SPLIT": 1}
+    if m > 64:
+        return {"BM": 128, "BN": 128, "BR": 16, "num_warps": 8, "num_stages": 4, "FP8_DOT": 1, "GROUP": 8,
+                "SPLIT": 1}
+    blocks = k // BLOCK
+    split = 1 if blocks < 16 else min(8, triton_next_pow2(blocks // 4 + 1) // 2)
+    wide = m > 16 and triton.cdiv(n, 128) >= SMS
+    return {"BM": 16 if m <= 16 else 64, "BN": 128 if wide else 64, "BR": 16, "num_warps": 4,
+            "num_stages": 3 if wide else 4, "FP8_DOT": 1, "GROUP": 1, "SPLIT": split}
 
 
 def _module(cuda: bool) -> object:
@@ -127,30 +165,42 @@ def check_fp8_weight(name: str, x: torch.Tensor, weight: torch.Tensor, scale: to
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool,
-               config: dict[str, int] | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype = torch.float32, config: dict[str, int] | None = None) -> torch.Tensor:
     """Triton body of ``v4compile::fp8_linear``: x [..., K] times the e4m3 weight [N, K] with e8m0 block scales
-    [N/128, K/128] -> [..., N] fp32. ``config`` overrides the launch configuration (benchmark sweeps)."""
+    [N/128, K/128] -> [..., N] in fp32, or rounded once to bf16 when ``out_dtype`` is bf16 (half the output
+    bytes, no rounding pass after). ``config`` overrides the launch configuration (benchmark sweeps)."""
     check_fp8_weight("fp8_linear", x, weight, scale)
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"fp8_linear: out_dtype must be float32 or bfloat16, got {out_dtype}")
     lead, k = x.shape[:-1], x.shape[-1]
     n = weight.shape[0]
     rows = x.reshape(-1, k).contiguous()
     m = rows.shape[0]
     cuda = x.device.type == "cuda"
     module = _module(cuda)
-    config = config or launch_config(m, n, cuda)
-    codes = torch.empty(m, k, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(m, k // BLOCK, dtype=torch.float32, device=x.device)
-    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    w, s = weight.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)
+    config = config or launch_config(m, n, k, cuda)
+    split, bf16 = config["SPLIT"], out_dtype == torch.bfloat16
+    if BLOCK % config["BN"]:
+        raise ValueError(f"fp8_linear: column tile {config['BN']} must divide the weight block {BLOCK}")
+    padded = triton.cdiv(m, config["BM"]) * config["BM"]
+    codes = torch.empty(padded, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(padded, k // BLOCK, dtype=torch.float32, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    parts = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    w, s = weight.contiguous(), scale.contiguous().view(torch.uint8)
+    tiles = triton.cdiv(m, config["BM"]) * triton.cdiv(n, config["BN"])
 
     def run() -> None:
         module.fp8_quant[(triton.cdiv(m, config["BR"]), k // BLOCK)](
             rows, codes, scales, m, rows.stride(0), codes.stride(0), scales.stride(0), POW2=pow2, BR=config["BR"])
-        module.fp8_gemm[(triton.cdiv(m, config["BM"]), triton.cdiv(n, config["BN"]))](
-            codes, scales, w, s, out, m, n, k, codes.stride(0), scales.stride(0), w.stride(0), s.stride(0),
-            out.stride(0), POW2=pow2,
-            FP8_DOT=pow2 and bool(config["FP8_DOT"]), TL_DOT=cuda, BM=config["BM"], BN=config["BN"],
+        module.fp8_gemm[(tiles, split)](
+            codes, scales, w, s, parts, m, n, k, codes.stride(0), scales.stride(0), w.stride(0), s.stride(0),
+            n, m * n, POW2=pow2, FP8_DOT=pow2 and bool(config["FP8_DOT"]), TL_DOT=cuda, BM=config["BM"],
+            BN=config["BN"], GROUP=config["GROUP"], SPLIT=split, OUT_BF16=bf16 and split == 1,
             num_warps=config["num_warps"], num_stages=config["num_stages"])
+        if split > 1:
+            module.fp8_split_sum[(triton.cdiv(m * n, 1024),)](parts, out, m * n, m * n, SPLIT=split,
+                                                               OUT_BF16=bf16, BE=1024)
 
     if m:
         REGISTRY.launch(kernel_name(), run)
