@@ -59,6 +59,25 @@ def test_a_layer_of_any_shape_dtype_and_scale_rule_is_rewritten(lead: tuple, dty
     assert (got.float() - want.float()).abs().max() <= 0.01 * want.float().abs().max()
 
 
+class _UnroundedPlusOne(nn.Module):
+    """The product used in fp32 (as a row-parallel layer's partial sum is) before any rounding."""
+
+    def forward(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return (layer.unrounded(x) + 1.0).to(torch.bfloat16)
+
+
+def test_a_product_used_in_fp32_stays_fp32_and_a_rounded_one_is_rounded_by_the_op() -> None:
+    layer = fp8_layer(256, 64, True)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    optimized = v4compile.optimize(_UnroundedPlusOne(), backend="triton", passes=["fp8_linear"], inductor=False)
+    with torch.no_grad():
+        got = optimized(layer, x)
+    [stats] = _stats(optimized)
+    assert [m.details["out_dtype"] for m in stats.matches] == ["float32"]
+    want = _UnroundedPlusOne()(layer, x)
+    assert (got.float() - want.float()).abs().max() <= 0.01 * want.float().abs().max()
+
+
 class _PlainDequant(nn.Module):
     """An e4m3 weight used without its block scales: not the model's FP8 linear."""
 

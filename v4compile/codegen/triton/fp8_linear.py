@@ -1,6 +1,6 @@
 """The model's FP8 ``Linear`` in Triton: e4m3 activations times e4m3 weights read as stored, fp32 per K block.
 
-Two launches:
+Two launches (three for split decode GEMMs):
 1. ``fp8_quant``: each row's 128-wide K blocks to e4m3 codes (one byte each) and one fp32 scale per block,
    exactly as ``quant.fp8_simulate`` (amax floored at 1e-4, over 448 correctly rounded, rounded up to a power of
    two when asked, nearest-even rounding by integer arithmetic).
@@ -15,10 +15,14 @@ Two launches:
    weight is read as one byte either way. Otherwise the activation
    is the model's bf16 ``q * scale`` (not an e4m3 value) and the weight ``e4m3 * scale`` (exact in bf16): a bf16
    dot on the GPU, and under the CPU interpreter fp32 operands with a broadcast product; ``FP8_DOT`` runs there
-   too when asked (the interpreter's FP8 dot is exact).
+   too when asked (the interpreter's FP8 dot is exact). Operands load unmasked as e4m3 tensors (the codes padded
+   to whole row tiles, weight rows past N clamped), which is what lets Triton pipeline them into the FP8 dot.
+3. ``fp8_split_sum`` (decode, K of 16+ blocks): ``fp8_gemm`` splits K into ranges and this sums their partial
+   products in split order; the split depends only on K, so a row's result does not depend on the batch.
 
 The weight stays one byte an element: nothing is dequantized to memory. The output is fp32 ([M, N], before the
-model's rounding to bf16, which a row-parallel layer does after its all-reduce).
+model's rounding to bf16, which a row-parallel layer does after its all-reduce) or that rounding done in the
+kernel (bf16, half the bytes written).
 """
 
 from __future__ import annotations
