@@ -190,3 +190,31 @@ def test_quantized_weights_compile_with_inductor_on_cpu() -> None:
     with torch.no_grad():
         got, want = v4compile.optimize(layers, backend="reference")(x), layers(x)
     assert F.cosine_similarity(got.float(), want.float(), dim=-1).min() > 0.999
+
+
+def test_a_second_compile_reuses_inductors_cached_graph() -> None:
+    """Warm starts: the custom ops' reference bodies are inlined before Inductor, so its FX graph cache has a
+    stable key and a fresh compile of the same model (a new process, or after ``torch._dynamo.reset()``) loads
+    the compiled graph instead of compiling it again."""
+    from torch import nn
+    from torch._dynamo.utils import counters
+
+    from v4compile.model import quant
+    from v4compile.model.linear import Linear
+
+    torch.manual_seed(1)
+    layers = nn.Sequential(Linear(256, 128, "fp8", True), Linear(128, 64, "bf16", True))
+    weight, scale = quant.quantize_fp8_weight(torch.randn(128, 256) / 16)
+    layers[0].weight.data.copy_(weight)
+    layers[0].scale.copy_(scale)
+    x = torch.randn(3, 256).bfloat16()
+    with torch.no_grad():
+        first = v4compile.optimize(layers, backend="reference")
+        want = first(x)
+        assert [m.kernel for row in first.reports() for p in row.passes for m in p.matches] == ["fp8_linear.reference"]
+        torch._dynamo.reset()
+        hits, bypasses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_bypass"]
+        got = v4compile.optimize(layers, backend="reference")(x)
+    assert counters["inductor"]["fxgraph_cache_hit"] > hits
+    assert counters["inductor"]["fxgraph_cache_bypass"] == bypasses
+    assert torch.equal(got, want)

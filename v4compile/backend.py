@@ -28,16 +28,32 @@ from .passes.stream_schedule import scheduled
 
 def to_aten(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
     """Retraces a Dynamo graph into pre-dispatch ATen ops, keeping source locations in node metadata."""
+    return _retrace(gm, example_inputs, pre_dispatch=True)
+
+
+def inline_reference_bodies(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
+    """``gm`` retraced with each custom op replaced by its reference body's ATen ops, so that Inductor compiles
+    the ops' math into its own code with its default decompositions: a custom table handed to ``compile_fx``
+    would be part of its FX graph cache key and, being unpicklable, turn that cache off (no warm starts)."""
+    table = reference_decompositions()
+    if not any(n.op == "call_function" and n.target in table for n in gm.graph.nodes):
+        return gm
+    return _retrace(gm, example_inputs, pre_dispatch=False, decompositions=table)
+
+
+def _retrace(gm: fx.GraphModule, example_inputs: list[Any], pre_dispatch: bool,
+             decompositions: dict[Any, Callable[..., Any]] | None = None) -> fx.GraphModule:
     fake_mode = detect_fake_mode(example_inputs)
     runner = lambda *args: fx.Interpreter(gm).run(*args)  # noqa: E731
+    trace = {"pre_dispatch": pre_dispatch, "decomposition_table": decompositions}
     if fake_mode is None:
         with fx_traceback.preserve_node_meta():
-            return make_fx(runner, pre_dispatch=True, tracing_mode="fake")(*example_inputs)
+            return make_fx(runner, tracing_mode="fake", **trace)(*example_inputs)
     previous = fake_mode.allow_non_fake_inputs
     fake_mode.allow_non_fake_inputs = True
     try:
         with fake_mode, fx_traceback.preserve_node_meta():
-            return make_fx(runner, pre_dispatch=True)(*example_inputs)
+            return make_fx(runner, **trace)(*example_inputs)
     finally:
         fake_mode.allow_non_fake_inputs = previous
 
@@ -109,13 +125,12 @@ def _compile_fx(gm: fx.GraphModule, example_inputs: list[Any], inline_reference:
     """``compile_fx`` without its warning that complex operators stay aten calls: the model's one complex op,
     ``torch.polar`` building the RoPE tables as the official model does, is such a call by design."""
     from torch._inductor.compile_fx import compile_fx
-    from torch._inductor.decomposition import select_decomp_table
 
-    decompositions = {**select_decomp_table(), **reference_decompositions()} if inline_reference else None
+    if inline_reference:
+        gm = inline_reference_bodies(gm, example_inputs)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
-        return compile_fx(gm, example_inputs, decompositions=decompositions,
-                          config_patches={"emulate_precision_casts": True})
+        return compile_fx(gm, example_inputs, config_patches={"emulate_precision_casts": True})
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
