@@ -3,7 +3,8 @@
 One phase per process (``--phase "decode b16"`` or ``--phase "prefill 8192"``) on the slice of ``headline.py``:
 compiles ``v4compile.optimize``, replays decode from a CUDA graph, profiles ``--reps`` steps with torch.profiler
 and sorts the GPU kernel time into categories (dense GEMM, MoE, attention, compressor, top-k, mHC, indexer,
-other). The floor: decode reads every non-routed weight byte, the routed experts that ``batch`` tokens are
+other); ``ms`` is the sum of kernel times, ``wall_ms`` the step's elapsed time (streams overlap kernels), and
+``--kernels N`` lists the N longest kernels. The floor: decode reads every non-routed weight byte, the routed experts that ``batch`` tokens are
 expected to choose (``E * (1 - (1 - k/E)^batch)`` per layer) and the KV the step attends to, over the measured copy
 rate; prefill is its matmul FLOPs over the measured FP8 tensor-core rate. A prefill computes the head at its last
 position only (``--logits last``, as the runtime samples; ``all`` for scoring). ``--turn`` / ``--turns`` /
@@ -95,6 +96,8 @@ def main() -> None:
     parser.add_argument("--logits", choices=("last", "all"), default="last",
                         help="prefill: the head on the last position (serving, as the runtime samples) or on all "
                              "(scoring)")
+    parser.add_argument("--streams", action="store_true", help="turn the opt-in stream_schedule pass on")
+    parser.add_argument("--kernels", type=int, default=0, help="also list this many of the step's longest kernels")
     parser.add_argument("--turn", type=int, default=0)
     parser.add_argument("--turns", default="", help="folder of turn files (empty: profile at once)")
     parser.add_argument("--of", type=int, default=1, help="how many phases share the turn folder")
@@ -102,7 +105,7 @@ def main() -> None:
     decode = args.phase.startswith("decode")
     size = int(args.phase.split()[-1].removeprefix("b"))
     model = build_slice(args.layers, max(args.context, size) + 64, args.small, args.experts, args.device)
-    optimized = v4compile.optimize(model)
+    optimized = v4compile.optimize(model, options={"stream_schedule": {}} if args.streams else None)
     with torch.no_grad():
         if decode:
             cache = model.new_cache(size, args.context + 64)
@@ -129,20 +132,33 @@ def main() -> None:
                 time.sleep(0.5)
         step()
         torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.reps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        wall_ms = start.elapsed_time(end) / args.reps
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(args.reps):
                 step()
             torch.cuda.synchronize()
     per_category: dict[str, float] = {}
+    per_kernel: list[tuple[float, int, str]] = []
     for event in prof.key_averages():
         us = getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0.0))
         if us and event.key and not event.key.startswith(("ProfilerStep", "cudaGraph")):
             per_category[category(event.key)] = per_category.get(category(event.key), 0.0) + us / args.reps
+            per_kernel.append((us / args.reps, event.count // args.reps, event.key))
     ms = sum(per_category.values()) / 1e3
-    row = {"phase": args.phase, "ms": round(ms, 3), "floor_ms": round(floor * 1e3, 3),
+    row = {"phase": args.phase + (" streams" if args.streams else ""), "ms": round(ms, 3), "wall_ms": round(wall_ms, 3),
+           "floor_ms": round(floor * 1e3, 3),
            "x_floor": round(ms / (floor * 1e3), 2),
            "tokens_per_s": round(size / (ms / 1e3), 1),
            "categories_ms": {k: round(v / 1e3, 3) for k, v in sorted(per_category.items(), key=lambda kv: -kv[1])}}
+    if args.kernels:
+        row["kernels"] = [{"us": round(us, 1), "calls": calls, "category": category(name), "name": name[:160]}
+                          for us, calls, name in sorted(per_kernel, reverse=True)[:args.kernels]]
     print(json.dumps(row))
     if args.turns:
         (Path(args.turns) / f"turn{args.turn + 1}").touch()
