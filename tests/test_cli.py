@@ -56,7 +56,7 @@ def test_dump_writes_graphs_per_pass(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["dump", str(tmp_path), "--entry", "forward", "--backend", "reference"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["forward"]
     names = sorted(p.name for p in (tmp_path / "forward").glob("*.txt"))
-    # head_padding changes nothing on CPU (any head count tiles there) and stream_schedule is opt-in
+    # head_padding changes nothing on CPU (any head count tiles there) and stream_schedule plans CUDA graphs only
     assert names == ["00-captured.txt", "01-after-compressor_fusion.txt", "02-after-compressor_finish.txt",
                      "03-after-radix_topk.txt", "04-after-mhc_tiling.txt", "05-after-sparse_attention.txt",
                      "07-after-moe_dispatch.txt"]

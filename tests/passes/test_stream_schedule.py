@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections import Counter
 from typing import Any
 
@@ -54,6 +55,10 @@ def _capture(model: v4compile.DeepSeekV4, manager: PassManager, ids: torch.Tenso
     return got
 
 
+SM90 = {"stream_schedule": {"target": "sm90"}}
+"""Plan for the H200 on this CPU (by default the pass declines CPU graphs)."""
+
+
 @pytest.fixture(scope="module")
 def decode(tiny_model: v4compile.DeepSeekV4) -> dict[str, Any]:
     """The tiny preset's decode graph after every pass (streams planned for sm90 on this CPU)."""
@@ -61,7 +66,7 @@ def decode(tiny_model: v4compile.DeepSeekV4) -> dict[str, Any]:
     cache = tiny_model.new_cache(ids.shape[0])
     with torch.no_grad():
         tiny_model(ids, cache=cache)
-    manager = PassManager(build_passes(list(PASSES)), backend="reference")
+    manager = PassManager(build_passes(list(PASSES), SM90), backend="reference")
     got = _capture(tiny_model, manager, ids, cache)
     got["manager"] = manager
     got["plan"] = next(p for p in manager.passes if p.name == "stream_schedule").plans[0]
@@ -75,6 +80,23 @@ def test_on_cpu_the_graph_runs_unchanged(decode: dict[str, Any]) -> None:
     stats = next(p for p in decode["manager"].reports[0].passes if p.name == "stream_schedule")
     assert stats.enabled and stats.matches
     assert all(m.kernel == "-" and m.details["target"] == "sm90" for m in stats.matches)
+
+
+def test_by_default_cpu_graphs_and_prefill_sized_graphs_stay_on_one_stream(tiny_model: v4compile.DeepSeekV4) -> None:
+    ids = sample_ids(tiny_model)
+    cache = tiny_model.new_cache(ids.shape[0])
+    with torch.no_grad():
+        tiny_model(ids, cache=cache)
+    for options, reason in ((None, "graph on the CPU: no CUDA streams (give the target option to plan for a GPU)"),
+                            ({"stream_schedule": {"target": "sm90", "max_rows": 0}},
+                             r"products of \d+ rows exceed max_rows 0: each kernel fills the device on its own")):
+        manager = PassManager(build_passes(None, options), backend="reference")
+        got = _capture(tiny_model, manager, ids, cache)
+        stats = next(p for p in manager.reports[0].passes if p.name == "stream_schedule")
+        assert stats.enabled and not stats.matches
+        assert len(stats.near_misses) == 1 and re.fullmatch(re.escape(reason) if options is None else reason,
+                                                            stats.near_misses[0].reason)
+        assert not any(ss.META_KEY in n.meta for n in got["rewritten"].graph.nodes)
 
 
 def test_every_node_is_scheduled_once_and_every_dependency_is_ordered(decode: dict[str, Any]) -> None:
@@ -175,7 +197,7 @@ def test_inductor_regions_run_on_cpu_within_bf16_rounding_of_the_whole_graph() -
     cache = model.new_cache(ids.shape[0])
     with torch.no_grad():
         model(ids, cache=cache)
-    got = _capture(model, PassManager(build_passes(list(PASSES)), backend="reference"), ids, cache)
+    got = _capture(model, PassManager(build_passes(list(PASSES), SM90), backend="reference"), ids, cache)
     gm = got["rewritten"]
     _, segs = ss.executable_segments(gm)
     before, whole, split = (_inputs_like_capture(got) for _ in range(3))
