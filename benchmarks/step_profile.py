@@ -1,15 +1,15 @@
 """The optimized whole step against its floor, with a per-category profile (H200).
 
 One phase per process (``--phase "decode b16"`` or ``--phase "prefill 8192"``) on the slice of ``headline.py``:
-compiles ``v4compile.optimize``, replays decode from a CUDA graph, profiles ``--reps`` steps with torch.profiler
-and sorts the GPU kernel time into categories (dense GEMM, MoE, attention, compressor, top-k, mHC, indexer,
-other); ``ms`` is the sum of kernel times, ``wall_ms`` the step's elapsed time (streams overlap kernels), and
-``--kernels N`` lists the N longest kernels. The floor: decode reads every non-routed weight byte, the routed experts that ``batch`` tokens are
-expected to choose (``E * (1 - (1 - k/E)^batch)`` per layer) and the KV the step attends to, over the measured copy
-rate; prefill is its matmul FLOPs over the measured FP8 tensor-core rate. A prefill computes the head at its last
-position only (``--logits last``, as the runtime samples; ``all`` for scoring). ``--turn`` / ``--turns`` /
-``--of`` let several phases compile at once and profile one at a time: each profiles once every phase has
-warmed up (so no compilation shares the GPU with a profile) and the phase before it has finished::
+compiles ``v4compile.optimize``, replays decode from a CUDA graph, profiles ``--reps`` steps with torch.profiler and
+sorts the GPU kernel time into categories (dense GEMM, MoE, attention, compressor, top-k, mHC, indexer, other);
+``ms`` is the sum of kernel times, ``wall_ms`` the step's elapsed time (streams overlap kernels), and ``--kernels
+N`` lists the N longest kernels. The floor: decode reads every non-routed weight byte, the routed experts that
+``batch`` tokens are expected to choose (``E * (1 - (1 - k/E)^batch)`` per layer) and the KV the step attends to,
+over the measured copy rate; prefill is its matmul FLOPs over the measured FP8 tensor-core rate. A prefill computes
+the head at its last position only (``--logits last``, as the runtime samples; ``all`` for scoring). ``--turn`` /
+``--turns`` / ``--of`` let several phases compile at once and profile one at a time: each profiles once every phase
+has warmed up (so no compilation shares the GPU with a profile) and the phase before it has finished::
 
     PYTHONPATH=$PWD python3 benchmarks/step_profile.py --phase "decode b1" --experts 16
 """
@@ -31,7 +31,8 @@ COPY_RATE = 4.25e12  # bytes/s, device-to-device copy measured on the H200 (shar
 FP8_RATE = 1256e12  # FLOP/s, FP8 torch._scaled_mm at 8192^3 measured there (benchmarks/gemm.py)
 CATEGORIES = (("MoE", ("moe",)), ("attention", ("sparse_attention", "attention")), ("compressor", ("compressor",)),
               ("top-k", ("radix", "topk", "sort")), ("mHC", ("mhc",)), ("indexer", ("indexer",)),
-              ("dense GEMM", ("gemm", "gemv", "matmul", "_mm", "cutlass", "xmma", "splitk", "fp8_quant")))
+              ("dense GEMM", ("gemm", "gemv", "matmul", "_mm", "cutlass", "xmma", "splitk", "fp8_quant",
+                                "split_sum")))
 
 
 def category(kernel: str) -> str:

@@ -41,6 +41,7 @@ def _fast_impl(op: str, backend: str) -> Callable[..., Any] | None:
         compressor,
         compressor_finish,
         fp8_linear,
+        fp32_linear,
         indexer_scores,
         mhc,
         moe,
@@ -58,7 +59,8 @@ def _fast_impl(op: str, backend: str) -> Callable[..., Any] | None:
             "mhc_pre": mhc.mhc_pre,
             "mhc_post": mhc.mhc_post,
             "moe_experts": moe.moe_experts,
-            "fp8_linear": fp8_linear.fp8_linear}[op]
+            "fp8_linear": fp8_linear.fp8_linear,
+            "fp32_linear": fp32_linear.fp32_linear}[op]
 
 
 def _run(op: str, backend: str, *args: Any) -> Any:
@@ -347,6 +349,27 @@ def _(x, weight, scale, pow2, out_dtype, backend):
 
 
 _reference_backward(fp8_linear, "fp8_linear")
+
+
+# ----------------------------------------------------------------------------- fp32_linear
+@torch.library.custom_op("v4compile::fp32_linear", mutates_args=())
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
+                backend: str) -> torch.Tensor:
+    """An fp32 product ``x [..., K] @ weight [N, K]^T (+ bias)`` -> [..., N] fp32 (``transposed``: weight given as
+    [K, N], ``x @ weight``), each operand widened exactly from its stored dtype (the model's
+    ``F.linear(x.float(), w.float())``): the output head, the compressor's projections, the router scores."""
+    from .triton.fp32_linear import check_fp32_linear
+
+    check_fp32_linear("v4compile::fp32_linear", x, weight.t() if transposed else weight, bias)
+    return _run("fp32_linear", backend, x, weight, bias, transposed)
+
+
+@fp32_linear.register_fake
+def _(x, weight, bias, transposed, backend):
+    return x.new_empty(*x.shape[:-1], weight.shape[1 if transposed else 0], dtype=torch.float32)
+
+
+_reference_backward(fp32_linear, "fp32_linear")
 
 
 # ----------------------------------------------------------------------------- reference bodies for Inductor

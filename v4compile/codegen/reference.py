@@ -92,3 +92,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2:
     ``out_dtype`` bf16 (``Linear.forward``)."""
     xq = quant.fp8_simulate(x, quant.FP8_ACT_BLOCK, pow2).float()
     return torch.nn.functional.linear(xq, quant.dequant_fp8_weight(weight, scale)).to(out_dtype)
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                transposed: bool = False) -> torch.Tensor:
+    """An fp32 product of the operands widened from their stored dtypes: ``F.linear(x.float(), weight.float(),
+    bias.float())``, the weight given as [K, N] when ``transposed``."""
+    weight = weight.t() if transposed else weight
+    return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())

@@ -6,6 +6,7 @@ from .base import GraphPass
 from .compressor_finish import CompressorFinish
 from .compressor_fusion import CompressorFusion
 from .fp8_linear import Fp8Linear
+from .fp32_linear import Fp32Linear
 from .head_padding import HeadPadding
 from .mhc_tiling import MhcTiling
 from .moe_dispatch import MoeDispatch
@@ -14,7 +15,8 @@ from .sparse_attention import SparseAttention
 from .stream_schedule import StreamSchedule
 
 PASS_ORDER: tuple[type[GraphPass], ...] = (CompressorFusion, CompressorFinish, RadixTopK, MhcTiling, SparseAttention,
-                                              HeadPadding, MoeDispatch, Fp8Linear, StreamSchedule)
+                                              HeadPadding, MoeDispatch, Fp8Linear, Fp32Linear,
+                                              StreamSchedule)
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in PASS_ORDER}
 
 

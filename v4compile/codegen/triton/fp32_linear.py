@@ -1,0 +1,166 @@
+"""fp32 matrix products in Triton on tensor cores: ``x W^T (+ b)`` with fp32 accuracy from three TF32 products.
+
+The model computes its output head, compressor projections and router scores in fp32 (V4-SPEC: "always fp32").
+cuBLAS runs fp32 GEMMs on the SIMT units (``sm80_xmma_gemm_f32f32``, ``gemv2T``); at decode the head alone is
+2.1 GB of fp32 weight, and at a prefill's 8192 rows the compressor's products are compute-bound on those units.
+Here each operand is split into a TF32 value and its TF32 remainder, and the three significant cross products run
+on the TF32 tensor cores with fp32 accumulation (``input_precision="tf32x3"``); the dropped remainder product is
+below fp32 rounding. Measured on the H200 (benchmarks/gemm.py) the result is as close to an fp64 product as
+cuBLAS's fp32 one (about 5e-7 of max|y| against its 3e-6 at K 4096), not bitwise equal to it: no two fp32 GEMMs
+sum in the same order.
+
+Operands are read in their stored dtype and widened in registers (a bf16 router weight or activation cast to fp32
+by the model reads half the bytes; the widening is exact). Two launches when K is split (decode, few column
+tiles): ``fp32_mm`` writes each K range's partial product, ``fp32_split_sum`` adds them in split order; the split
+depends on N and K only, never on the row count.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..registry import REGISTRY
+from .compressor import triton_next_pow2
+from .launch import load_triton_module, lowered_text
+
+SMS = 132
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_SOURCE = '''
+import triton
+import triton.language as tl
+
+PRECISION = tl.constexpr("{precision}")
+
+
+@triton.jit
+def fp32_mm(X, W, B, OUT, M, N, K, s_xm, s_xk, s_wn, s_wk, s_o, s_part, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+            BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr):
+    # program order: GROUP row tiles walk one band of column tiles together (the weight tiles stay in L2);
+    # axis 1 is the K split, each a fixed range of BK-wide blocks
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM)
+    band = GROUP * tl.cdiv(N, BN)
+    first = (pid // band) * GROUP
+    rows_here = tl.minimum(tiles_m - first, GROUP)
+    m = (first + (pid % band) % rows_here) * BM + tl.arange(0, BM)
+    n = ((pid % band) // rows_here) * BN + tl.arange(0, BN)
+    per_split = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK
+    k_lo = tl.program_id(1) * per_split
+    k_hi = tl.minimum(K, k_lo + per_split)
+    # rows past M and columns past N repeat the last one (never stored), so only K needs a mask
+    xm = tl.minimum(m, M - 1)
+    wn = tl.minimum(n, N - 1)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        a = tl.load(X + xm[:, None] * s_xm + k[None, :] * s_xk, mask=km[None, :], other=0.0).to(tl.float32)
+        w = tl.load(W + wn[:, None] * s_wn + k[None, :] * s_wk, mask=km[None, :], other=0.0).to(tl.float32)
+        if PRECISION == "bcast":
+            acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    if HAS_BIAS and SPLIT == 1:
+        acc += tl.load(B + wn).to(tl.float32)[None, :]
+    out = OUT + tl.program_id(1) * s_part + m[:, None] * s_o + n[None, :]
+    tl.store(out, acc, mask=(m < M)[:, None] & (n < N)[None, :])
+
+
+@triton.jit
+def fp32_split_sum(PARTS, B, OUT, total, N, s_part, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                   BE: tl.constexpr):
+    # the K splits' partial products added in split order (the same order for every row and batch), then the bias
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    em = e < total
+    acc = tl.load(PARTS + e, mask=em, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(PARTS + s * s_part + e, mask=em, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(B + e % N, mask=em, other=0.0).to(tl.float32)
+    tl.store(OUT + e, acc, mask=em)
+'''
+
+
+def kernel_name() -> str:
+    """Stable kernel name."""
+    return "fp32_linear.triton"
+
+
+def launch_config(m: int, n: int, k: int, cuda: bool) -> dict[str, int]:
+    """Row tiles of 16 / 64 / 128 by the row count; while decoding, 64-wide column tiles unless the columns fill
+    the SMs at 128 (the output head), and K split until the column tiles times the splits cover the SMs twice (at
+    most 16 splits of at least four K blocks each; the split depends on N and K only, so a row's sums do not
+    depend on the batch). From an H200 sweep (benchmarks/fp32_gemm.py --sweep); the interpreter gets few, large
+    programs."""
+    if not cuda:
+        return {"BM": min(32, triton_next_pow2(max(m, 1))), "BN": min(64, triton_next_pow2(n)), "BK": 64,
+                "GROUP": 1, "SPLIT": 1, "num_warps": 4, "num_stages": 1}
+    if m > 64:
+        return {"BM": 128, "BN": 64, "BK": 32, "GROUP": 8, "SPLIT": 1, "num_warps": 4, "num_stages": 4}
+    wide = triton.cdiv(n, 128) >= SMS
+    bn, bk = (128, 64 if m <= 16 else 32) if wide else (64, 64)
+    tiles, blocks, split = triton.cdiv(n, bn), triton.cdiv(k, bk), 1
+    while split < 16 and tiles * split < 2 * SMS and blocks >= 4 * split:
+        split *= 2
+    return {"BM": 16 if m <= 16 else 64, "BN": bn, "BK": bk, "GROUP": 1, "SPLIT": split, "num_warps": 4,
+            "num_stages": 4}
+
+
+def _module(cuda: bool) -> object:
+    precision = "tf32x3" if cuda else "bcast"
+    return REGISTRY.build(kernel_name(), "triton", "v4compile::fp32_linear",
+                          lambda: _SOURCE.format(precision=precision), lambda path: load_triton_module(path, not cuda),
+                          key=cuda)
+
+
+def check_fp32_linear(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Raises a ValueError naming ``name`` when the activation, weight and bias do not fit together."""
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{name}: activation of shape {tuple(x.shape)} does not take the weight's "
+                         f"{weight.shape[1]} in_features")
+    for what, t in (("activation", x), ("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype not in DTYPES:
+            raise ValueError(f"{name}: {what} dtype {t.dtype} is not one of {DTYPES}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{name}: bias must be [{weight.shape[0]}], got shape {tuple(bias.shape)}")
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, transposed: bool = False,
+                config: dict[str, int] | None = None) -> torch.Tensor:
+    """Triton body of ``v4compile::fp32_linear``: fp32 ``x [..., K] @ weight [N, K]^T (+ bias)`` -> [..., N] (a
+    ``transposed`` weight is [K, N]), the operands widened from their stored dtype in registers. ``config``
+    overrides the launch configuration (benchmark sweeps)."""
+    weight = weight.t() if transposed else weight
+    check_fp32_linear("fp32_linear", x, weight, bias)
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = weight.shape[0]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    cuda = x.device.type == "cuda"
+    module = _module(cuda)
+    config = config or launch_config(m, n, k, cuda)
+    split = config["SPLIT"]
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    parts = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    b = bias if bias is not None else out
+    tiles = triton.cdiv(m, config["BM"]) * triton.cdiv(n, config["BN"])
+
+    def run() -> None:
+        module.fp32_mm[(tiles, split)](
+            rows, weight, b, parts, m, n, k, rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), n,
+            m * n, HAS_BIAS=bias is not None, BM=config["BM"], BN=config["BN"], BK=config["BK"],
+            GROUP=config["GROUP"], SPLIT=split, num_warps=config["num_warps"], num_stages=config["num_stages"])
+        if split > 1:
+            module.fp32_split_sum[(triton.cdiv(m * n, 1024),)](parts, b, out, m * n, n, m * n,
+                                                               HAS_BIAS=bias is not None, SPLIT=split, BE=1024)
+
+    if m and n:
+        REGISTRY.launch(kernel_name(), run)
+        REGISTRY.note_launch(kernel_name(), rows=m, n=n, k=k, **config)
+        if cuda and REGISTRY.records[kernel_name()].lowered is None:
+            REGISTRY.set_lowered(kernel_name(), lowered_text(module.fp32_mm) or "")
+    return out.reshape(*lead, n)
