@@ -223,10 +223,11 @@ def scheduled(gm: fx.GraphModule, example_inputs: Sequence[Any], inductor: bool)
 
 
 def compile_inductor(module: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    """One region compiled by Inductor, as the whole graph would be."""
-    from torch._inductor.compile_fx import compile_fx
+    """One region compiled by Inductor, as the whole graph would be (the backend's settings: eager's bf16
+    rounding emulated, e8m0 inputs on the CPU as bytes), so streamed and unstreamed code round alike."""
+    from ...backend import inductor_compile
 
-    return compile_fx(module, example_inputs)
+    return inductor_compile(module, example_inputs)
 
 
 def _eager(module: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
