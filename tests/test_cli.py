@@ -107,6 +107,21 @@ def test_check_against_a_golden_folder(golden_root: Path, capsys: pytest.Capture
     assert "tiny-bf16: in band" in out and "verdict: in band (index_ties=lowest)" in out
 
 
+def test_check_json_is_the_whole_output_and_out_of_band_exits_non_zero(golden_root: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    # tiny-fp8-fp4 scores out of band under the default lowest-index tie rule, eager as well (README, Fidelity)
+    assert main(["check", str(golden_root / "tiny-fp8-fp4"), "--backend", "reference", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    comparisons = report["comparisons"]
+    assert set(comparisons) == {"eager vs golden", "optimized vs golden", "optimized vs eager"}
+    assert report["index_ties"] == "lowest" and comparisons["eager vs golden"]["in_band"] is False
+    assert report["verdict"] is False
+    assert report["verdict"] == (report["eager_in_band"] and comparisons["optimized vs golden"]["in_band"])
+    for a in comparisons.values():
+        assert a["in_band"] == (a["median_cos"] >= 0.99 and a["mean_cos"] >= 0.97 and a["argmax_agreement"] >= 0.80)
+    assert comparisons["optimized vs eager"]["median_cos"] > 0.999
+
+
 def test_generate_reads_prompts_reports_hits_and_per_request_errors(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture) -> None:
     prompts = tmp_path / "prompts.txt"

@@ -272,8 +272,9 @@ def _check(args: argparse.Namespace) -> int:
     model = v4compile.load(folder, index_ties=args.index_ties).eval()
     with _progress("scoring the eager model as the golden vectors were made (one prefill per row)"):
         eager = score(model, folder)
-    for line in eager.lines():
-        console.print(line, highlight=False, soft_wrap=True)
+    if not args.json:
+        for line in eager.lines():
+            console.print(line, highlight=False, soft_wrap=True)
     optimized = v4compile.optimize(model, backend=args.backend, inductor=args.inductor, check=args.regions)
     with _progress("running eager and optimized on the golden cases"):
         results = golden_check(optimized, folder)
@@ -283,15 +284,17 @@ def _check(args: argparse.Namespace) -> int:
         table.add_column(col)
     for name, a in results.items():
         table.add_row(name, f"{a.median_cos:.5f}", f"{a.mean_cos:.5f}", f"{a.min_cos:.5f}", f"{a.argmax_agreement:.3f}")
-    console.print(table)
-    if args.regions:
+    if not args.json:
+        console.print(table)
+    if args.regions and not args.json:
         for row in optimized.report():
             console.print(f"{row['pass']}: {row['matches']} regions, worst relative error {row['worst_rel_error']}")
     verdict = eager.in_band() and results["optimized vs golden"].in_band()
     if args.json:
         print(json.dumps({"golden": str(folder), "eager_in_band": eager.in_band(), "eager": eager.lines(),
                           "comparisons": {name: {**asdict(a), "in_band": a.in_band()} for name, a in results.items()},
-                          "regions": optimized.report() if args.regions else None, "verdict": verdict,
+                          "regions": json.loads(optimized.report().to_json()) if args.regions else None,
+                          "verdict": verdict,
                           "index_ties": model.config.index_ties}, indent=1))
         return 0 if verdict else 1
     console.print(f"verdict: {'in band' if verdict else 'OUT OF BAND'} (index_ties={model.config.index_ties})")
