@@ -91,6 +91,11 @@ def test_kernels_json_and_an_unknown_name_answered_before_compiling(capsys: pyte
     assert main(["kernels", "--show", "moe_experts.fp8.tritn"]) == 2
     out = capsys.readouterr().out
     assert "no kernel named 'moe_experts.fp8.tritn'" in out and "close matches: moe_experts.fp8.triton" in out
+    # a name spelled like an op's kernel but not built yet is built (here: the stubbed compile), not refused
+    compiled = []
+    monkeypatch.setattr(v4compile.debugging, "explain", lambda *a, **k: compiled.append(True))
+    assert main(["kernels", "--show", "sparse_attention.d999.bf16dot.triton"]) == 2
+    assert compiled and "among the kernels this model's passes build" in capsys.readouterr().out
 
 
 def test_bad_arguments_are_clear(capsys: pytest.CaptureFixture) -> None:

@@ -183,13 +183,24 @@ def _unknown_kernel(name: str, known: list[str], where: str) -> int:
     return 2
 
 
+def _could_be_built(name: str) -> bool:
+    """Whether ``name`` is spelled like a kernel some op builds: ``<op>[.<variant>...].<backend>``."""
+    from .codegen.ops import KERNEL_BACKENDS, kernel_families
+
+    family, _, rest = name.partition(".")
+    return family in kernel_families() and rest.rsplit(".", 1)[-1] in KERNEL_BACKENDS
+
+
 def _kernels(args: argparse.Namespace) -> int:
+    from .codegen.ops import KERNEL_BACKENDS, kernel_families
     from .codegen.registry import REGISTRY, cache_dir, cached_names
     from .debugging import explain
 
     known = cached_names()
-    if args.show and known and args.show not in known:
-        return _unknown_kernel(args.show, known, f"among those built before (disk cache {cache_dir()})")
+    if args.show and args.show not in known and not _could_be_built(args.show):
+        families = [f"{f}.*.{b}" for f in kernel_families() for b in KERNEL_BACKENDS]
+        return _unknown_kernel(args.show, known + families,
+                               f"among those built before (disk cache {cache_dir()}) or that an op can build")
     with _progress("building the kernels the passes choose"):
         explain(_model(args), backend=args.backend, entries=_entries(args))
     if args.json:

@@ -81,6 +81,12 @@ _REFERENCE_BODIES: dict[Any, tuple[str, int]] = {}
 takes (-1: all but the trailing backend); filled as the ops are defined below."""
 
 
+def kernel_families() -> list[str]:
+    """The op names that kernel names start with (``sparse_attention`` in ``sparse_attention.d128.bf16dot.triton``):
+    what a kernel name may be before anything is built."""
+    return sorted({op for op, _ in _REFERENCE_BODIES.values()})
+
+
 def _reference_body(custom_op: Any, op: str, reference_inputs: int = -1) -> None:
     """Records that ``custom_op`` computes the reference body ``op`` on its leading ``reference_inputs``."""
     _REFERENCE_BODIES[custom_op._opoverload] = (op, reference_inputs)
