@@ -22,7 +22,7 @@ import triton
 
 from ..registry import REGISTRY
 from .compressor import triton_next_pow2
-from .launch import load_triton_module, lowered_text
+from .launch import GROUPED_TILE, load_triton_module, lowered_text
 
 SMS = 132
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -32,20 +32,16 @@ import triton
 import triton.language as tl
 
 PRECISION = tl.constexpr("{precision}")
+''' + GROUPED_TILE + '''
 
 
 @triton.jit
 def fp32_mm(X, W, B, OUT, M, N, K, s_xm, s_xk, s_wn, s_wk, s_o, s_part, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
             BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr):
-    # program order: GROUP row tiles walk one band of column tiles together (the weight tiles stay in L2);
-    # axis 1 is the K split, each a fixed range of BK-wide blocks
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BM)
-    band = GROUP * tl.cdiv(N, BN)
-    first = (pid // band) * GROUP
-    rows_here = tl.minimum(tiles_m - first, GROUP)
-    m = (first + (pid % band) % rows_here) * BM + tl.arange(0, BM)
-    n = ((pid % band) // rows_here) * BN + tl.arange(0, BN)
+    # axis 0: the output tile in grouped order; axis 1: the K split, each a fixed range of BK-wide blocks
+    m0, n0 = _grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP)
+    m = m0 + tl.arange(0, BM)
+    n = n0 + tl.arange(0, BN)
     per_split = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK
     k_lo = tl.program_id(1) * per_split
     k_hi = tl.minimum(K, k_lo + per_split)

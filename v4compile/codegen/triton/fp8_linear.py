@@ -33,7 +33,7 @@ import triton
 from ..registry import REGISTRY
 from .compressor import triton_next_pow2
 from .formats import FORMATS_SOURCE
-from .launch import ROUND_BF16, load_triton_module, lowered_text
+from .launch import GROUPED_TILE, ROUND_BF16, load_triton_module, lowered_text
 
 BLOCK = 128
 SMS = 132
@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 DOT = tl.{dot}
-''' + ROUND_BF16 + FORMATS_SOURCE + '''
+''' + ROUND_BF16 + GROUPED_TILE + FORMATS_SOURCE + '''
 
 
 @triton.jit
@@ -63,15 +63,9 @@ def fp8_quant(X, CODES, SCALES, rows, s_x, s_c, s_s, POW2: tl.constexpr, BR: tl.
 def fp8_gemm(CODES, SCALES, W, S, OUT, M, N, K, s_c, s_s, s_w, s_ws, s_o, s_part, POW2: tl.constexpr,
              FP8_DOT: tl.constexpr, TL_DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
              GROUP: tl.constexpr, SPLIT: tl.constexpr, OUT_BF16: tl.constexpr):
-    # program order: GROUP row tiles walk one band of column tiles together (their weight tiles stay in L2);
-    # axis 1 is the K split, each split a fixed range of K blocks
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BM)
-    band = GROUP * tl.cdiv(N, BN)
-    first = (pid // band) * GROUP
-    rows_here = tl.minimum(tiles_m - first, GROUP)
-    m = (first + (pid % band) % rows_here) * BM + tl.arange(0, BM)
-    n0 = ((pid % band) // rows_here) * BN
+    # axis 0: the output tile in grouped order; axis 1: the K split, each a fixed range of K blocks
+    m0, n0 = _grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP)
+    m = m0 + tl.arange(0, BM)
     n = n0 + tl.arange(0, BN)
     per_split = tl.cdiv(K // 128, SPLIT) * 128
     k_lo = tl.program_id(1) * per_split

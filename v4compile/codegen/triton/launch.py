@@ -18,6 +18,18 @@ def _round_bf16(x):
     return bits.to(tl.float32, bitcast=True)
 '''
 
+GROUPED_TILE = '''
+
+@triton.jit
+def _grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
+    # first row and column of program pid's output tile: GROUP row tiles walk one band of column tiles
+    # together, so the weight tiles they share stay in L2
+    band = GROUP * tl.cdiv(N, BN)
+    first = (pid // band) * GROUP
+    rows_here = tl.minimum(tl.cdiv(M, BM) - first, GROUP)
+    return (first + (pid % band) % rows_here) * BM, ((pid % band) // rows_here) * BN
+'''
+
 
 def load_triton_module(path: Path, interpret: bool) -> ModuleType:
     """Imports a generated Triton module; CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)."""
