@@ -289,25 +289,23 @@ def _check(args: argparse.Namespace) -> int:
     optimized = v4compile.optimize(model, backend=args.backend, inductor=args.inductor, check=args.regions)
     with _progress("running eager and optimized on the golden cases"):
         results = golden_check(optimized, folder)
+    verdict = eager.in_band() and results["optimized vs golden"].in_band()
+    if args.json:
+        print(json.dumps({"golden": str(folder), "eager_in_band": eager.in_band(), "eager": eager.lines(),
+                          "comparisons": {name: {**asdict(a), "in_band": a.in_band()} for name, a in results.items()},
+                          "regions": json.loads(optimized.report().to_json()) if args.regions else None,
+                          "verdict": verdict, "index_ties": model.config.index_ties}, indent=1))
+        return 0 if verdict else 1
     table = Table(title=f"{folder.name}: full-sequence logits per row (golden band: median >= 0.99, mean >= 0.97, "
                         "agree >= 0.80)")
     for col in ("comparison", "median cos", "mean cos", "min cos", "argmax agree"):
         table.add_column(col)
     for name, a in results.items():
         table.add_row(name, f"{a.median_cos:.5f}", f"{a.mean_cos:.5f}", f"{a.min_cos:.5f}", f"{a.argmax_agreement:.3f}")
-    if not args.json:
-        console.print(table)
-    if args.regions and not args.json:
+    console.print(table)
+    if args.regions:
         for row in optimized.report():
             console.print(f"{row['pass']}: {row['matches']} regions, worst relative error {row['worst_rel_error']}")
-    verdict = eager.in_band() and results["optimized vs golden"].in_band()
-    if args.json:
-        print(json.dumps({"golden": str(folder), "eager_in_band": eager.in_band(), "eager": eager.lines(),
-                          "comparisons": {name: {**asdict(a), "in_band": a.in_band()} for name, a in results.items()},
-                          "regions": json.loads(optimized.report().to_json()) if args.regions else None,
-                          "verdict": verdict,
-                          "index_ties": model.config.index_ties}, indent=1))
-        return 0 if verdict else 1
     console.print(f"verdict: {'in band' if verdict else 'OUT OF BAND'} (index_ties={model.config.index_ties})")
     return 0 if verdict else 1
 

@@ -40,7 +40,7 @@ import torch
 from torch import fx
 
 from ..targets import DEFAULT_GPU_TARGET, target_name
-from .base import GraphPass, NoMatch, Rewrite, RewriteContext
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, shape
 from .streams.dag import META_KEY, Cost, bases, dependency_graph, is_compute, is_view, node_cost, node_values
 from .streams.plan import (
     BranchPlan,
@@ -185,12 +185,5 @@ def _product_rows(node: fx.Node) -> int:
     if not any(key in name for key in ("mm", "matmul", "linear")):
         return 0
     left = node.args[1] if name.startswith("addmm") and len(node.args) > 1 else node.args[0] if node.args else None
-    value = left.meta.get("val") if isinstance(left, fx.Node) else None
-    if not isinstance(value, torch.Tensor) or value.dim() < 2:
-        return 0
-    rows = 1
-    for size in value.shape[:-1]:
-        if not isinstance(size, int):
-            return 0
-        rows *= size
-    return rows
+    sizes = shape(left)
+    return int(torch.Size(sizes[:-1]).numel()) if sizes is not None and len(sizes) >= 2 else 0
