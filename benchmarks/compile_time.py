@@ -7,7 +7,7 @@ batch 1 over a ``--context``-token cache (optimize is lazy, so this is capture +
 builds + the step), then the first step of one more decode bucket (batch 16).
 
     PYTHONPATH=$PWD python3 benchmarks/compile_time.py --experts 16 64 256            # H200: the 4-layer slice
-    PYTHONPATH=$PWD python3 benchmarks/compile_time.py --layers 43 --mtp --experts 256 --inter 256
+    PYTHONPATH=$PWD python3 benchmarks/compile_time.py --full --experts 256 --inter 512    # all 43 layers + MTP
     PYTHONPATH=$PWD python3 benchmarks/compile_time.py --tiny                          # the tiny preset, CPU
 """
 
@@ -35,7 +35,9 @@ def build(args: argparse.Namespace) -> v4compile.DeepSeekV4:
         return v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=0, device=args.device).eval()
     config = slice_config(args.layers, args.context, small=False, experts=args.experts[0])
     overrides = {"moe_inter_dim": args.inter} if args.inter else {}
-    if args.mtp:
+    if args.full:
+        config = v4compile.V4Config.preset("flash", max_seq_len=args.context + 64, n_routed_experts=args.experts[0])
+    elif args.mtp:
         overrides.update(n_mtp_layers=1, compress_ratios=[*config.compress_ratios[: args.layers], 0])
     if overrides:
         config = v4compile.V4Config.from_dict({**config.to_dict(), **overrides})
@@ -51,7 +53,7 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
     t0 = time.perf_counter()
     model = build(args)
     built = time.perf_counter() - t0
-    optimized = v4compile.optimize(model)
+    optimized = v4compile.optimize(model, regions=not args.whole_graph)
     result = {"build_s": built}
     for batch, key in ((1, "first_token_s"), (16, "next_bucket_s")):
         cache = model.new_cache(batch, args.context + 64)
@@ -77,7 +79,8 @@ def run_row(args: argparse.Namespace, experts: int) -> dict[str, object]:
                "V4COMPILE_CACHE": f"{root}/kernels"}
         argv = [sys.executable, __file__, "--worker", "--experts", str(experts), "--layers", str(args.layers),
                 "--context", str(args.context), "--device", args.device, "--inter", str(args.inter or 0)]
-        argv += ["--mtp"] * args.mtp + ["--tiny"] * args.tiny
+        argv += ["--mtp"] * args.mtp + ["--tiny"] * args.tiny + ["--whole-graph"] * args.whole_graph
+        argv += ["--full"] * args.full
         row: dict[str, object] = {"experts": experts}
         for run in ("cold", "warm"):
             try:
@@ -101,6 +104,10 @@ def main() -> None:
     parser.add_argument("--inter", type=int, default=0, help="moe_inter_dim override (0: Flash's 2048)")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--tiny", action="store_true", help="the tiny preset instead of the Flash slice")
+    parser.add_argument("--full", action="store_true",
+                        help="the full Flash layer pattern (43 layers, its 3 hash layers, MTP) instead of the slice")
+    parser.add_argument("--whole-graph", action="store_true",
+                        help="one graph per entry point instead of regions (optimize(regions=False))")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", type=Path)
@@ -112,6 +119,9 @@ def main() -> None:
     if args.tiny:
         args.experts, args.context = [8], 64
     what = "tiny preset" if args.tiny else f"{args.layers}-layer Flash slice{' + MTP' if args.mtp else ''}"
+    if args.full:
+        what = "full Flash layer pattern (43 layers + MTP)"
+    what += ", whole graphs" if args.whole_graph else ", regions"
     print(f"{what}, decode at {args.context} context on {args.device}; inter dim {args.inter or 'as config'}")
     print("| experts | cold: first token s | cold: next bucket s | warm: first token s | warm: next bucket s |")
     print("|---|---|---|---|---|", flush=True)

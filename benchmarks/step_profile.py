@@ -98,6 +98,8 @@ def main() -> None:
                         help="prefill: the head on the last position (serving, as the runtime samples) or on all "
                              "(scoring)")
     parser.add_argument("--streams", action="store_true", help="turn the opt-in stream_schedule pass on")
+    parser.add_argument("--whole-graph", action="store_true",
+                        help="compile each entry point as one graph instead of regions (optimize(regions=False))")
     parser.add_argument("--kernels", type=int, default=0, help="also list this many of the step's longest kernels")
     parser.add_argument("--turn", type=int, default=0)
     parser.add_argument("--turns", default="", help="folder of turn files (empty: profile at once)")
@@ -106,7 +108,8 @@ def main() -> None:
     decode = args.phase.startswith("decode")
     size = int(args.phase.split()[-1].removeprefix("b"))
     model = build_slice(args.layers, max(args.context, size) + 64, args.small, args.experts, args.device)
-    optimized = v4compile.optimize(model, options={"stream_schedule": {}} if args.streams else None)
+    optimized = v4compile.optimize(model, options={"stream_schedule": {}} if args.streams else None,
+                                   regions=not args.whole_graph)
     with torch.no_grad():
         if decode:
             cache = model.new_cache(size, args.context + 64)
@@ -122,7 +125,7 @@ def main() -> None:
             if args.logits == "all":
                 step = lambda: optimized(ids, cache=cache)  # noqa: E731
             else:
-                step = lambda: model.logits(optimized.hidden_states(ids, cache)[:, -1:])  # noqa: E731
+                step = lambda: optimized.logits(optimized.hidden_states(ids, cache)[:, -1:])  # noqa: E731
             step()
             floor = prefill_floor(model, size, args.logits == "last")
         if args.turns:

@@ -56,9 +56,10 @@ def run_entries(optimized: OptimizedModel, ids: torch.Tensor, entries: tuple[str
 def explain(model: DeepSeekV4, *, backend: str = "reference", entries: tuple[str, ...] = ENTRIES,
             debug_dir: str | Path | None = None, passes: list[str] | None = None,
             disable: tuple[str, ...] = ()) -> OptimizedModel:
-    """Compiles the entry points (without Inductor) so their reports list every match and near-miss."""
+    """Compiles the entry points (without Inductor) as whole graphs so their reports list every layer's matches
+    and near-misses."""
     optimized = optimize(model, backend=backend, passes=passes, disable=disable, debug_dir=debug_dir,
-                         inductor=False)
+                         inductor=False, regions=False)
     run_entries(optimized, sample_ids(model).to(next(model.parameters()).device), entries)
     return optimized
 
@@ -173,12 +174,13 @@ def golden_check(optimized: OptimizedModel, golden_dir: str | Path) -> dict[str,
     """Eager vs golden, optimized vs golden and optimized vs eager on a golden folder's cases: the full-sequence
     logits at the golden rows (one compile per case length; ``golden.score`` scores one prefill per row)."""
     model = optimized.model
+    device = model.embed.weight.device
     eager, fast, golden = [], [], []
     with torch.no_grad():
         for case in GoldenFolder.read(golden_dir).cases:
-            length, n = case.prefill_len, case.prefill_logits.shape[1]
-            eager.append(model(case.ids)[:, length - 1 : length - 1 + n].flatten(0, 1))
-            fast.append(optimized(case.ids)[:, length - 1 : length - 1 + n].flatten(0, 1))
+            length, n, ids = case.prefill_len, case.prefill_logits.shape[1], case.ids.to(device)
+            eager.append(model(ids)[:, length - 1 : length - 1 + n].flatten(0, 1).cpu())
+            fast.append(optimized(ids)[:, length - 1 : length - 1 + n].flatten(0, 1).cpu())
             golden.append(case.prefill_logits.flatten(0, 1))
     e, f, g = torch.cat(eager), torch.cat(fast), torch.cat(golden)
     return {"eager vs golden": Agreement.of(e, g), "optimized vs golden": Agreement.of(f, g),

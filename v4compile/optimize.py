@@ -15,6 +15,7 @@ from .codegen.ops import KERNEL_BACKENDS
 from .passes import PASSES, build_passes
 from .passes.manager import GraphReport, PassManager, summarize
 from .passes.summary import PassSummary
+from .regions import Regions, has_regions
 
 BACKENDS = ("auto", *KERNEL_BACKENDS)
 
@@ -89,26 +90,52 @@ def _logged(entry: str, compiled: Any, manager: PassManager) -> Any:
     return call
 
 
-class OptimizedModel:
-    """The optimized callable: same API as the model (forward, decode_step, hidden_states, mtp_logits),
-    each entry point compiled once through the pass pipeline. ``report()`` tells what every pass did."""
+ENTRY_POINTS = ("forward", "hidden_states", "extend", "extend_hidden", "decode_step", "decode_tokens", "mtp_step",
+                "mtp_logits", "logits")
+"""The model methods an optimized model runs compiled (all of them with regions)."""
+WHOLE_GRAPH_ENTRIES = ("forward", "decode_step", "hidden_states", "mtp_logits")
+"""The entry points compiled as whole graphs (``regions=False``); the others then run eagerly."""
 
-    def __init__(self, model: nn.Module, manager: PassManager, inductor: bool) -> None:
+
+class OptimizedModel:
+    """The optimized callable: same API as the model (every method of ``ENTRY_POINTS``), compiled through the pass
+    pipeline: as regions (each kind of repeated block once, the head, the MTP steps; ``v4compile.regions``) or,
+    with ``regions=False``, one whole graph per entry point. ``report()`` tells what every pass did."""
+
+    def __init__(self, model: nn.Module, manager: PassManager, inductor: bool, regions: bool = False) -> None:
         _never_fall_back_to_eager()
         self.model = model
         self.manager = manager
         self.inductor = inductor
         self._compiled: dict[str, Any] = {}
+        self.regions: Regions | None = None
+        if regions:
+            backend = make_backend(manager, inductor=inductor)
+            self.regions = Regions(model, lambda fn: torch.compile(fn, backend=backend, dynamic=False))
 
     def _entry(self, name: str) -> Any:
-        if name == "decode_step" and getattr(getattr(self.model, "config", None), "index_ties", None) == "official":
+        if name in ("decode_step", "decode_tokens") and \
+                getattr(getattr(self.model, "config", None), "index_ties", None) == "official":
             raise ValueError("index_ties='official' decodes eagerly only (its top-k length follows each row's "
-                             "position); call model.decode_step, or build the model with index_ties='lowest'")
+                             f"position); call model.{name}, or build the model with index_ties='lowest'")
         if name not in self._compiled:
-            fn = self.model if name == "forward" else getattr(self.model, name)
-            backend = make_backend(self.manager, inductor=self.inductor)
-            self._compiled[name] = _logged(name, torch.compile(fn, backend=backend, dynamic=False), self.manager)
+            if self.regions is not None:
+                self._compiled[name] = _logged(name, self._regional(name), self.manager)
+            else:
+                fn = self.model if name == "forward" else getattr(self.model, name)
+                backend = make_backend(self.manager, inductor=self.inductor)
+                self._compiled[name] = _logged(name, torch.compile(fn, backend=backend, dynamic=False), self.manager)
         return self._compiled[name]
+
+    def _regional(self, name: str) -> Any:
+        """The model's own ``name`` run with its compiled regions installed."""
+        regions = self.regions
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with regions.installed():
+                return (self.model if name == "forward" else getattr(self.model, name))(*args, **kwargs)
+
+        return call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward (logits; with ``cache=`` a prefill)."""
@@ -119,7 +146,7 @@ class OptimizedModel:
         if model is None:
             raise AttributeError(name)
         attr = getattr(model, name)
-        if name in ("decode_step", "hidden_states", "mtp_logits"):
+        if name in (ENTRY_POINTS if self.regions is not None else WHOLE_GRAPH_ENTRIES) and name != "forward":
             return self._entry(name)
         return attr
 
@@ -136,7 +163,7 @@ class OptimizedModel:
 def optimize(model: nn.Module, *, backend: str = "auto", passes: list[str] | None = None,
              disable: tuple[str, ...] | list[str] = (), debug_dir: str | Path | None = None, check: bool = False,
              fuel: int | None = None, inductor: bool = True, options: dict[str, dict] | None = None,
-             deterministic: bool = False, tp: int = 1) -> OptimizedModel:
+             deterministic: bool = False, tp: int = 1, regions: bool | None = None) -> OptimizedModel:
     """Compiles ``model`` with the v4compile passes and kernels.
 
     ``backend``: "auto" (Triton on CUDA, reference bodies compiled by Inductor elsewhere) | "triton" |
@@ -155,6 +182,9 @@ def optimize(model: nn.Module, *, backend: str = "auto", passes: list[str] | Non
     ``tp``: the tensor-parallel degree the model was built or loaded for (``tp_size``); above 1 this must run
     inside an initialised process group of that many ranks (torchrun; gloo on CPU, NCCL on GPU), and the
     collectives are captured into each compiled graph.
+    ``regions``: compile each kind of repeated block once, the head and the MTP steps apart, and run every entry
+    point's glue as the model writes it (compile time then does not grow with the layer count); False: one whole
+    graph per entry point (what ``bisect`` and ``dump`` read); None: regions wherever the model has them.
     """
     check_tensor_parallel(model, tp)
     if fuel is not None and (not isinstance(fuel, int) or isinstance(fuel, bool) or fuel < 0):
@@ -173,4 +203,6 @@ def optimize(model: nn.Module, *, backend: str = "auto", passes: list[str] | Non
         options["radix_topk"] = {**options.get("radix_topk", {}), "official_ties": True}
     manager = PassManager(build_passes(passes, options), backend=kernel_backend, disable=tuple(disable),
                           debug_dir=debug_dir, check=check, fuel=fuel)
-    return OptimizedModel(model, manager, inductor)
+    if regions is None:
+        regions = has_regions(model)
+    return OptimizedModel(model, manager, inductor, regions)

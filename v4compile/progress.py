@@ -38,11 +38,34 @@ def current_entry() -> str | None:
     return getattr(_state, "entry", None)
 
 
+def current_region() -> str | None:
+    """The compiled region (``layers.1,3``, ``head``, ``mtp.0``) whose call is running inside an entry point, if any."""
+    return getattr(_state, "region", None)
+
+
+def region_scope() -> str | None:
+    """The module path that the running region's graph locations are relative to (a block's ``layers.1,3``;
+    None for a region traced from the model itself, whose paths are the model's already)."""
+    return getattr(_state, "scope", None)
+
+
+@contextmanager
+def region(name: str, scoped: bool = False) -> Iterator[None]:
+    """Marks a call of one compiled region: graphs compiled inside it are named by it and, ``scoped``, their
+    locations are prefixed with it."""
+    outer = getattr(_state, "region", None), getattr(_state, "scope", None)
+    _state.region, _state.scope = name, name if scoped else None
+    try:
+        yield
+    finally:
+        _state.region, _state.scope = outer
+
+
 def log(message: str) -> None:
     """One progress line, prefixed with the entry point being compiled and the seconds since its call began."""
     _ensure_output()
-    entry = getattr(_state, "entry", None)
-    where = f"{entry} " if entry else ""
+    entry, part = getattr(_state, "entry", None), getattr(_state, "region", None)
+    where = f"{entry}{'.' + part if part else ''} " if entry else ""
     LOGGER.info("%s[%6.1f s] %s", where, elapsed(), message)
 
 

@@ -92,7 +92,7 @@ def test_the_reference_backend_keeps_the_products() -> None:
 @pytest.mark.slow
 def test_the_tiny_models_head_and_compressor_products(tiny_model: v4compile.DeepSeekV4) -> None:
     ids = sample_ids(tiny_model)[:, :40]
-    optimized = v4compile.optimize(tiny_model, backend="triton", passes=["fp32_linear"], inductor=False)
+    optimized = v4compile.optimize(tiny_model, regions=False, backend="triton", passes=["fp32_linear"], inductor=False)
     with torch.no_grad():
         got, want = optimized(ids), tiny_model(ids)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()

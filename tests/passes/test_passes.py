@@ -131,8 +131,8 @@ def test_an_unstable_sort_does_not_match(monkeypatch: pytest.MonkeyPatch, tiny_m
 
 
 def test_fuel_disable_and_dumps(tiny_model: v4compile.DeepSeekV4, tmp_path: Path) -> None:
-    optimized = v4compile.optimize(tiny_model, backend="reference", inductor=False, fuel=3, debug_dir=tmp_path,
-                                   disable=("radix_topk",))
+    optimized = v4compile.optimize(tiny_model, regions=False, backend="reference", inductor=False, fuel=3,
+                                   debug_dir=tmp_path, disable=("radix_topk",))
     run_entries(optimized, sample_ids(tiny_model), ("forward",))
     report = optimized.reports()[0]
     fused = _by_pass(report, "compressor_fusion")

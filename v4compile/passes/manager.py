@@ -152,12 +152,23 @@ class PassManager(CustomGraphPass):
         self.run(graph.owning_module)
 
     def _graph_name(self) -> str:
-        # named by the entry point being compiled; a second graph of it (a new shape) gets -1, -2, ...
+        # named by the entry point being compiled and its region; a second graph of it (a new shape) gets -1, -2, ...
         base = progress.current_entry() or "graph"
+        if progress.current_region():
+            base = f"{base}.{progress.current_region()}"
         taken = {r.graph for r in self.reports}
         if base not in taken:
             return base
         return next(f"{base}-{i}" for i in range(1, len(taken) + 2) if f"{base}-{i}" not in taken)
+
+    @staticmethod
+    def _locate(node: fx.Node) -> Location:
+        """``locate(node)``, its module path prefixed with the compiled block's region (the layers it serves)."""
+        where, region = locate(node), progress.region_scope()
+        if region is None:
+            return where
+        return Location(where.node, region if where.module in ("-", "model") else f"{region}.{where.module}",
+                        where.source)
 
     def run(self, gm: fx.GraphModule, name: str | None = None) -> tuple[fx.GraphModule, GraphReport]:
         """Rewrites ``gm`` in place and returns it with its report."""
@@ -180,10 +191,10 @@ class PassManager(CustomGraphPass):
                 try:
                     rewrite = graph_pass.analyze(node, ctx)
                 except NoMatch as miss:
-                    stats.near_misses.append(NearMiss(graph_pass.name, locate(node), str(miss)))
-                    _PASSES.debug("%s: %s near-miss at %s: %s", name, graph_pass.name, locate(node), miss)
+                    stats.near_misses.append(NearMiss(graph_pass.name, self._locate(node), str(miss)))
+                    _PASSES.debug("%s: %s near-miss at %s: %s", name, graph_pass.name, self._locate(node), miss)
                     continue
-                location = locate(node)
+                location = self._locate(node)
                 if self.fuel is not None and self.fuel <= 0:
                     stats.skipped_for_fuel += 1
                     stats.near_misses.append(NearMiss(graph_pass.name, location, "out of optimization fuel"))

@@ -1,0 +1,106 @@
+"""Regional compilation: a model's repeated blocks compile once per kind, so compile time does not grow with depth.
+
+A V4 of 43 layers has a handful of layer kinds (compress ratio, hash routing, weight formats); compiled as one
+graph per entry point, Inductor would see every layer again. Here each block of ``model.layers`` is its own region
+whose compiled code Dynamo shares among the blocks of a kind (a graph is reused wherever its guards hold: the
+blocks' parameters are graph inputs, so only their shapes, dtypes and the blocks' settings decide), and the
+head (``logits``) and the MTP steps (``_mtp``) are regions of their own. The glue between regions (embedding,
+the loop over layers, input checks) runs as the model writes it, for every entry point alike. Regions are
+installed on the model only while an optimized entry point runs, so the model itself stays eager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import progress
+
+_SETTING_TYPES = (bool, int, float, str, type(None))
+_FUNCTION_REGIONS = ("logits", "_mtp")
+
+
+def has_regions(model: nn.Module) -> bool:
+    """Whether ``model`` splits into regions: repeated blocks in ``model.layers`` and the head and MTP functions
+    the model's entry points call around them (``logits``, ``_mtp``)."""
+    layers = getattr(model, "layers", None)
+    return isinstance(layers, nn.ModuleList) and len(layers) > 0 and all(
+        callable(getattr(model, name, None)) for name in _FUNCTION_REGIONS)
+
+
+def kind_of(block: nn.Module) -> tuple[Any, ...]:
+    """What decides whether two blocks can share compiled code: their classes, every parameter's and buffer's
+    name, shape and dtype, and every submodule's plain settings (ints, floats, flags, strings)."""
+    tensors = tuple((name, tuple(t.shape), t.dtype) for name, t in
+                    (*block.named_parameters(), *block.named_buffers()))
+    settings = tuple((name, type(m).__name__, tuple(sorted((k, v) for k, v in vars(m).items()
+                                                           if not k.startswith("_") and isinstance(v, _SETTING_TYPES))))
+                     for name, m in block.named_modules())
+    return tensors, settings
+
+
+def span(indices: list[int]) -> str:
+    """A short name for a set of layer indices: ``1,3``, ``2,4,...,42`` for a longer arithmetic run."""
+    steps = {b - a for a, b in zip(indices, indices[1:], strict=False)}
+    if len(indices) > 3 and len(steps) == 1:
+        return f"{indices[0]},{indices[1]},...,{indices[-1]}"
+    return ",".join(str(i) for i in indices)
+
+
+class Regions:
+    """The compiled regions of one model: ``compile_fn(fn)`` compiles a callable (the same backend for all, so
+    Dynamo's cache can share code among blocks of a kind). ``kinds`` maps each region name (``layers.1,3``) to
+    the layer indices it serves."""
+
+    def __init__(self, model: nn.Module, compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        if not has_regions(model):
+            raise ValueError(f"{type(model).__name__} has no repeated blocks in `layers` with `logits` and `_mtp` "
+                             "around them; compile it as whole graphs (regions=False)")
+        self.model = model
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, block in enumerate(model.layers):
+            groups.setdefault(kind_of(block), []).append(i)
+        self.kinds = {f"layers.{span(indices)}": indices for indices in groups.values()}
+        name_of = {i: name for name, indices in self.kinds.items() for i in indices}
+        self.blocks = [_named(f"compiled {name_of[i]}", name_of[i], compile_fn(block._call_impl), scoped=True)
+                       for i, block in enumerate(model.layers)]
+        self.head = _named("compiled head", "head", compile_fn(model.logits), scoped=False)
+        mtp = compile_fn(model._mtp)
+
+        def mtp_region(hidden: torch.Tensor, next_ids: torch.Tensor, k: int, *args: Any, **kwargs: Any) -> Any:
+            with progress.region(f"mtp.{k}"):
+                return mtp(hidden, next_ids, k, *args, **kwargs)
+
+        self.mtp = mtp_region
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """While inside, the model's blocks, head and MTP steps run their compiled regions."""
+        model = self.model
+        if "logits" in vars(model):
+            yield
+            return
+        for block, compiled in zip(model.layers, self.blocks, strict=True):
+            block._compiled_call_impl = compiled
+        model.logits, model._mtp = self.head, self.mtp
+        try:
+            yield
+        finally:
+            for block in model.layers:
+                block._compiled_call_impl = None
+            del model.logits, model._mtp
+
+
+def _named(what: str, region: str, compiled: Callable[..., Any], scoped: bool) -> Callable[..., Any]:
+    """``compiled`` run inside ``progress.region(region, scoped)``, so its graphs are named (and located) by it."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with progress.region(region, scoped):
+            return compiled(*args, **kwargs)
+
+    call.__qualname__ = call.__name__ = what
+    return call
