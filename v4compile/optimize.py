@@ -92,7 +92,11 @@ def _logged(entry: str, compiled: Any, manager: PassManager) -> Any:
 
 ENTRY_POINTS = ("forward", "hidden_states", "extend", "extend_hidden", "decode_step", "decode_tokens", "mtp_step",
                 "mtp_logits", "logits")
-"""The model methods an optimized model runs compiled (all of them with regions)."""
+"""The model methods an optimized model runs (with regions, compiled, but for ``CHUNK_CALLS``)."""
+CHUNK_CALLS = ("extend", "extend_hidden")
+"""Run eagerly, like ``mtp_step(start=...)``: a chunk's start position is a Python int that Dynamo specializes on,
+so compiling them would compile every region once per chunk position (and a serving prefill meets many) until the
+sequence dimension is dynamic."""
 WHOLE_GRAPH_ENTRIES = ("forward", "decode_step", "hidden_states", "mtp_logits")
 """The entry points compiled as whole graphs (``regions=False``); the others then run eagerly."""
 
@@ -131,9 +135,14 @@ class OptimizedModel:
         """The model's own ``name`` run with its compiled regions installed."""
         regions = self.regions
 
+        def method() -> Any:
+            return self.model if name == "forward" else getattr(self.model, name)
+
         def call(*args: Any, **kwargs: Any) -> Any:
+            if name in CHUNK_CALLS or kwargs.get("start") is not None:
+                return method()(*args, **kwargs)
             with regions.installed():
-                return (self.model if name == "forward" else getattr(self.model, name))(*args, **kwargs)
+                return method()(*args, **kwargs)
 
         return call
 
