@@ -334,14 +334,18 @@ def _diverge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_prompts(args: argparse.Namespace) -> list[list[int]]:
-    """Prompts from ``--ids`` (one prompt per argument, ids separated by spaces or commas) or ``--file``
-    (one prompt per line)."""
+def _read_prompts(args: argparse.Namespace) -> list[list[int]] | list[str]:
+    """Prompts from ``--text`` (one text prompt per argument), ``--ids`` (one prompt per argument, ids separated by
+    spaces or commas) or ``--file`` (one prompt of ids per line)."""
+    if args.text:
+        if args.ids or args.file:
+            raise ValueError("give prompts as --text or as --ids / --file, not both")
+        return list(args.text)
     lines = list(args.ids or [])
     if args.file:
         lines += [line for line in Path(args.file).read_text().splitlines() if line.strip()]
     if not lines:
-        raise ValueError("give prompts with --ids or --file")
+        raise ValueError("give prompts with --text, --ids or --file")
     prompts = []
     for n, line in enumerate(lines, start=1):
         try:
@@ -355,23 +359,31 @@ def _generate(args: argparse.Namespace) -> int:
     from .runtime.engine import Engine
 
     model = _model(args)
-    engine = Engine(model, max_batch=args.max_batch, prefix_cache=not args.no_prefix_cache)
     prompts = _read_prompts(args)
+    tokenizer = None
+    if args.text:
+        from .runtime.text import Tokenizer
+
+        tokenizer = Tokenizer.from_folder(args.checkpoint) if args.checkpoint else Tokenizer.builtin()
+    engine = Engine(model, max_batch=args.max_batch, prefix_cache=not args.no_prefix_cache, tokenizer=tokenizer)
     results = []
     for _ in range(args.repeat):
         results = engine.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                   seed=args.seed, mtp=args.mtp)
     if args.json:
-        print(json.dumps([{"tokens": r.tokens, "logprobs": r.logprobs, "finish_reason": r.finish_reason,
+        print(json.dumps([{"tokens": r.tokens, "text": r.text, "logprobs": r.logprobs, "finish_reason": r.finish_reason,
                            "error": r.error, "cache": vars(r.cache), "mtp_drafted": r.mtp_drafted,
                            "mtp_accepted": r.mtp_accepted} for r in results], indent=1))
         return _generate_status(results)
     table = Table(title="v4compile generate")
-    for col in ("#", "prompt", "output ids", "cached", "recomputed", "prefilled", "status"):
+    for col in ("#", "prompt", "output text" if tokenizer else "output ids", "cached", "recomputed", "prefilled",
+                "status"):
         table.add_column(col, overflow="fold")
     for r, prompt in zip(results, prompts, strict=True):
-        table.add_row(str(r.index), f"{len(prompt)} ids", " ".join(map(str, r.tokens)), str(r.cache.cached_tokens),
-                      str(r.cache.recomputed_tokens), str(r.cache.prefill_tokens), r.error or r.finish_reason)
+        shown = repr(r.text) if tokenizer else " ".join(map(str, r.tokens))
+        table.add_row(str(r.index), repr(prompt) if tokenizer else f"{len(prompt)} ids", shown,
+                      str(r.cache.cached_tokens), str(r.cache.recomputed_tokens), str(r.cache.prefill_tokens),
+                      r.error or r.finish_reason)
     console.print(table)
     if engine.store is not None:
         console.print(f"prefix cache: {engine.stats()['tree']}")
@@ -472,8 +484,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="which graph to bisect")
     bis.set_defaults(func=_bisect)
 
-    gen = sub.add_parser("generate", help="generate from token-id prompts with the engine (prefix cache on)")
+    gen = sub.add_parser("generate", help="generate from text or token-id prompts with the engine (prefix cache on)")
     _add_target(gen)
+    gen.add_argument("--text", nargs="*", help="text prompts, one argument each (the checkpoint's tokenizer.json; "
+                                               "a built-in byte-level tokenizer for a preset)")
     gen.add_argument("--ids", nargs="*", help="prompts: one argument each, ids separated by spaces or commas")
     gen.add_argument("--file", help="a text file with one prompt of token ids per line")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=16)

@@ -81,6 +81,7 @@ def run_demo(console: Console | None = None, prompt_len: int = 48, steps: int = 
         "[red]decode diverges from the full forward[/red]")
     console.print(f"{verdict}: median cos {cos.median():.5f}, mean {cos.mean():.5f}, argmax agreement {agree:.2f}")
     ok = run_multi_turn(console, model) and ok
+    run_text_exchange(console, model)
     if optimized:
         ok = run_optimized(console, model, ids, prompt_len, step_logits, prefill_s, decode_s) and ok
     return ok
@@ -120,6 +121,22 @@ def run_multi_turn(console: Console, model: DeepSeekV4, turns: int = 3, users: i
                       str(sum(r.cache.prefill_tokens for r in with_cache)), "yes" if all(same) else "NO")
     console.print(table)
     return same_all
+
+
+def run_text_exchange(console: Console, model: DeepSeekV4) -> None:
+    """One chat turn as text: the built-in byte-level tokenizer renders the message with its chat template, the
+    engine generates until its end-of-sequence id or 16 tokens, and the reply is decoded (random weights: noise)."""
+    from .runtime.engine import Engine
+    from .runtime.text import Tokenizer
+
+    tokenizer = Tokenizer.builtin()
+    message = "What makes DeepSeek-V4's attention cheap at long context?"
+    prompt = tokenizer.chat([{"role": "user", "content": message}])
+    (reply,) = Engine(model, max_batch=1, tokenizer=tokenizer).generate([prompt], 16)
+    console.print(f"text exchange ({tokenizer.source} tokenizer, chat template, {len(prompt)} prompt tokens):")
+    console.print(f"  user: {message}", highlight=False)
+    console.print(f"  assistant ({len(reply.tokens)} tokens, {reply.finish_reason}; random weights, so noise): "
+                  f"{reply.text!r}", highlight=False)
 
 
 def run_optimized(console: Console, model: DeepSeekV4, ids: torch.Tensor, prompt_len: int, eager_logits: torch.Tensor,

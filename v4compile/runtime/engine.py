@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from .hisparse import HiSparse, HiSparseCache, device_row_bytes, slot_bytes
 from .prefix_store import PrefixStore
 from .requests import RequestError, RequestOutput
 from .sampling import sample
+
+if TYPE_CHECKING:
+    from .text import Tokenizer
 
 _LOG = logs.logger("engine")
 
@@ -66,14 +70,18 @@ class Engine:
 
     ``cuda_graphs`` captures each decode bucket's step in a CUDA graph on its first use and replays it after
     (``decode_graphs.py``); steps that record routing or verify drafts run without one. None (the default)
-    means on for a model on a CUDA device; True off CUDA is a ValueError."""
+    means on for a model on a CUDA device; True off CUDA is a ValueError.
+
+    ``tokenizer`` (``runtime.text.Tokenizer``) lets prompts be text and gives each output its ``text``; its
+    end-of-sequence ids stop a generation unless ``generate`` is given other ``stop_ids``."""
 
     def __init__(self, model: torch.nn.Module, *, memory_budget: int | None = None, max_batch_tokens: int = 128,
                  max_batch: int = 4, max_prefills: int = 1, chunk: int | None = None, prefix_cache: bool = True,
                  decode_buckets: tuple[int, ...] | None = None, max_seq_len: int | None = None,
                  tail_every: int = 0, deterministic: bool = False, hisparse_budget: int | None = None,
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, tokenizer: Tokenizer | None = None) -> None:
         self.model = model
+        self.tokenizer = tokenizer
         config = model.config
         self.config = config
         self.max_seq_len = max_seq_len or config.max_seq_len
@@ -108,16 +116,19 @@ class Engine:
         self.tail_every = tail_every
         self.speculate = False
         self.recording = False
+        self.stop_ids: frozenset[int] = frozenset()
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device; it is on {self.device}")
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(self._plain_decode) if use_graphs else None
 
     # ------------------------------------------------------------------ public API
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int] = 16, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None, mtp: bool = False,
-                 record_routing: bool = False) -> list[RequestOutput]:
-        """Generates for every prompt (token ids) and returns one ``RequestOutput`` per prompt, in order.
+    def generate(self, prompts: list[list[int]] | list[str], max_new_tokens: int | list[int] = 16,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, mtp: bool = False,
+                 record_routing: bool = False, stop_ids: list[int] | None = None) -> list[RequestOutput]:
+        """Generates for every prompt (token ids, or text with a tokenizer) and returns one ``RequestOutput`` per
+        prompt, in order. A request stops after ``max_new_tokens`` or at the first of ``stop_ids`` it generates
+        (kept as its last token; default: the tokenizer's end-of-sequence ids, none without a tokenizer).
         A bad request gets its ``error`` set and the others still run. With ``seed`` the sampled tokens of a
         request depend only on the seed and its index, not on the rest of the batch. ``mtp`` turns on
         speculative decoding with the model's first MTP block (greedy only): each step verifies the current
@@ -133,6 +144,13 @@ class Engine:
             raise ValueError("MTP speculative decoding needs a model with an MTP block (n_mtp_layers >= 1)")
         if mtp and self.hisparse is not None:
             self.hisparse.check_capacity(self.hisparse.hot_entries, self.buckets[-1], tokens_per_step=2)
+        if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer: Engine(model, tokenizer=Tokenizer.from_folder(folder)) "
+                             "or Tokenizer.builtin()")
+        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        if stop_ids is None:
+            stop_ids = self.tokenizer.eos_ids if self.tokenizer is not None else []
+        self.stop_ids = frozenset(int(i) for i in stop_ids)
         self.speculate = mtp
         self.recording = record_routing
         limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
@@ -152,6 +170,9 @@ class Engine:
                 generator = torch.Generator().manual_seed((seed if seed is not None else 0) * 1_000_003 + i)
             waiting.append(_Request(i, tokens, limit, generator, outputs[i]))
         self._run(waiting, temperature, top_p)
+        if self.tokenizer is not None:
+            for out in outputs:
+                out.text = self.tokenizer.decode(out.tokens)
         return outputs
 
     def weights_updated(self) -> None:
@@ -339,9 +360,14 @@ class Engine:
         req.out.logprobs.append(logprob)
 
     def _finished(self, req: _Request) -> bool:
-        if len(req.out.tokens) < req.max_new:
+        stop = next((i for i, t in enumerate(req.out.tokens) if t in self.stop_ids), None)
+        if stop is not None:
+            del req.out.tokens[stop + 1 :], req.out.logprobs[stop + 1 :]
+            req.out.finish_reason = "stop"
+        elif len(req.out.tokens) < req.max_new:
             return False
-        req.out.finish_reason = "length"
+        else:
+            req.out.finish_reason = "length"
         _LOG.info("request %d finished: %d tokens (%s)", req.out.index, len(req.out.tokens), req.out.finish_reason)
         if req.routing:
             req.out.routing = _concat(req.routing, len(req.prompt) + len(req.out.tokens) - 1)

@@ -28,8 +28,8 @@ class CacheStats:
 @dataclass
 class RequestOutput:
     """Generated token ids and their log-probabilities (under the model's untempered distribution), the
-    reason generation stopped, prefix-cache statistics, MTP draft counts, the recorded routing, or the
-    error that rejected the request."""
+    reason generation stopped ("length", "stop": a stop id was generated, "error"), prefix-cache statistics, MTP
+    draft counts, the recorded routing, the text, or the error that rejected the request."""
 
     index: int
     tokens: list[int] = field(default_factory=list)
@@ -42,3 +42,5 @@ class RequestOutput:
     routing: Routing | None = None
     """With ``record_routing``: every layer's experts and indexer entries for the fed tokens (prompt and
     output but its last token), ready for ``model(ids, routing=output.routing.for_replay())``."""
+    text: str | None = None
+    """The generated tokens as text, when the engine has a tokenizer."""
