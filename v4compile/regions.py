@@ -11,6 +11,7 @@ installed on the model only while an optimized entry point runs, so the model it
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -61,6 +62,8 @@ class Regions:
             raise ValueError(f"{type(model).__name__} has no repeated blocks in `layers` with `logits` and `_mtp` "
                              "around them; compile it as whole graphs (regions=False)")
         self.model = model
+        self._lock = threading.RLock()
+        self._depth = 0
         groups: dict[tuple[Any, ...], list[int]] = {}
         for i, block in enumerate(model.layers):
             groups.setdefault(kind_of(block), []).append(i)
@@ -79,20 +82,23 @@ class Regions:
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        """While inside, the model's blocks, head and MTP steps run their compiled regions."""
-        model = self.model
-        if "logits" in vars(model):
-            yield
-            return
-        for block, compiled in zip(model.layers, self.blocks, strict=True):
-            block._compiled_call_impl = compiled
-        model.logits, model._mtp = self.head, self.mtp
-        try:
-            yield
-        finally:
-            for block in model.layers:
-                block._compiled_call_impl = None
-            del model.logits, model._mtp
+        """While inside, the model's blocks, head and MTP steps run their compiled regions (re-entrant; one thread
+        at a time: a call of the plain model from another thread meanwhile would run them too)."""
+        with self._lock:
+            self._depth += 1
+            model = self.model
+            if self._depth == 1:
+                for block, compiled in zip(model.layers, self.blocks, strict=True):
+                    block._compiled_call_impl = compiled
+                model.logits, model._mtp = self.head, self.mtp
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    for block in model.layers:
+                        block._compiled_call_impl = None
+                    del model.logits, model._mtp
 
 
 def _named(what: str, region: str, compiled: Callable[..., Any], scoped: bool) -> Callable[..., Any]:
