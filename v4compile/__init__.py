@@ -14,7 +14,7 @@ import warnings
 
 from . import logs
 from .model import ConfigError, DeepSeekV4, InputError, V4Cache, V4Config
-from .model.checkpoint import CheckpointError, load
+from .model.checkpoint import CheckpointError, load, save
 from .optimize import OptimizedModel, optimize
 
 try:
@@ -23,4 +23,4 @@ except ValueError as _bad:
     warnings.warn(str(_bad), stacklevel=2)
 
 __all__ = ["CheckpointError", "ConfigError", "DeepSeekV4", "InputError", "OptimizedModel", "V4Cache", "V4Config",
-           "load", "optimize"]
+           "load", "optimize", "save"]

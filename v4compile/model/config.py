@@ -117,17 +117,7 @@ class V4Config:
     @classmethod
     def from_json(cls, path: str | Path, **overrides: Any) -> V4Config:
         """Reads an official ``config.json`` (a file, or a directory holding one)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"no config.json at {path}")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path} must hold a JSON object of config keys, got {type(data).__name__}")
+        path, data = read_json(path)
         try:
             return cls.from_dict(data, **overrides)
         except ConfigError as exc:
@@ -225,6 +215,23 @@ class V4Config:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+
+
+def read_json(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The path and JSON object of a ``config.json`` (a file, or a directory holding one), in any key format;
+    a missing file, invalid JSON or a non-object is a ConfigError naming the file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no config.json at {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object of config keys, got {type(data).__name__}")
+    return path, data
 
 
 _SHARED = dict(
