@@ -73,6 +73,12 @@ def test_unknown_compress_ratio_in_config() -> None:
         V4Config.preset("tiny", compress_ratios=[0, 8, 128, 4, 0])
 
 
+def test_a_head_dim_without_whole_fp8_kv_blocks_is_named() -> None:
+    """A head whose non-RoPE dims are not whole e4m3 blocks of 64 would build and fail inside the first forward."""
+    with pytest.raises(ConfigError, match=r"head_dim 96 - rope_head_dim 64 must be whole FP8 KV blocks of 64"):
+        V4Config.preset("tiny", head_dim=96)
+
+
 def test_unknown_config_key_and_preset() -> None:
     with pytest.raises(ConfigError, match=r"unknown config keys \['dimm'\]"):
         V4Config.from_dict({**V4Config.preset("tiny").to_dict(), "dimm": 3})

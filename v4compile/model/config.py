@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .quant import FP8_KV_BLOCK
+
 VALID_COMPRESS_RATIOS = (0, 4, 128)
 DEFAULT_MAX_SEQ_LEN = 4096
 INDEX_TIE_RULES = ("lowest", "official")
@@ -196,6 +198,9 @@ class V4Config:
             (self.n_shared_experts == 1, f"n_shared_experts must be 1, got {self.n_shared_experts}"),
             (0 < self.rope_head_dim <= self.head_dim and self.rope_head_dim % 2 == 0,
              f"rope_head_dim {self.rope_head_dim} must be even and at most head_dim {self.head_dim}"),
+            ((self.head_dim - self.rope_head_dim) % FP8_KV_BLOCK == 0,
+             f"head_dim {self.head_dim} - rope_head_dim {self.rope_head_dim} must be whole FP8 KV blocks of "
+             f"{FP8_KV_BLOCK} (the non-RoPE dims of every KV entry are stored in e4m3 blocks of that width)"),
             (self.rope_head_dim <= self.index_head_dim,
              f"rope_head_dim {self.rope_head_dim} exceeds index_head_dim {self.index_head_dim}"),
             (self.index_head_dim & (self.index_head_dim - 1) == 0,
