@@ -13,6 +13,7 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 import warnings
 
 from . import logs
+from .backend import last_report
 from .model import ConfigError, DeepSeekV4, InputError, V4Cache, V4Config
 from .model.checkpoint import CheckpointError, load, save
 from .optimize import OptimizedModel, optimize
@@ -23,4 +24,4 @@ except ValueError as _bad:
     warnings.warn(str(_bad), stacklevel=2)
 
 __all__ = ["CheckpointError", "ConfigError", "DeepSeekV4", "InputError", "OptimizedModel", "V4Cache", "V4Config",
-           "load", "optimize", "save"]
+           "last_report", "load", "optimize", "save"]

@@ -22,8 +22,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from . import progress
 from .codegen.ops import reference_decompositions
 from .passes import build_passes
-from .passes.manager import PassManager
+from .passes.manager import GraphReport, PassManager, summarize
 from .passes.stream_schedule import scheduled
+from .passes.summary import PassSummary
 
 
 def to_aten(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
@@ -139,16 +140,47 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, copy.deepcopy(gm.graph))
 
 
-def _default_backend(gm: fx.GraphModule, example_inputs: list[Any], **options: Any) -> Callable[..., Any]:
-    """``torch.compile(fn, backend="v4compile", options={...})``: every pass, auto kernel backend."""
+_BACKEND_REPORTS: list[GraphReport] = []
+
+
+def backend_reports() -> list[GraphReport]:
+    """The report of every graph ``torch.compile(..., backend="v4compile")`` compiled in this process, in order."""
+    return list(_BACKEND_REPORTS)
+
+
+def last_report() -> PassSummary:
+    """What the passes did in the last graph ``torch.compile(..., backend="v4compile")`` compiled (a model captured
+    without graph breaks is one graph per entry point and input shape); prints as the report table. A ValueError
+    before any graph was compiled."""
+    if not _BACKEND_REPORTS:
+        raise ValueError("no graph compiled with backend='v4compile' yet: call the torch.compile'd model first")
+    return summarize(_BACKEND_REPORTS[-1:])
+
+
+BACKEND_OPTIONS = ("passes", "backend", "disable", "debug_dir", "check", "inductor")
+
+
+def _default_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
+                     options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """``torch.compile(fn, backend="v4compile", options={...})`` (torch hands the dict over as ``options``; keys
+    ``BACKEND_OPTIONS``, as ``optimize``'s arguments): every pass and the auto kernel backend by default; each
+    graph's report is kept for ``last_report()``. An unknown option or a mode is a ValueError naming it."""
     from .optimize import resolve_backend
 
+    if mode is not None:
+        raise ValueError(f"the v4compile backend has no modes (got mode={mode!r}); pass options={{...}} instead")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(BACKEND_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown v4compile backend option(s) {unknown}; options are {list(BACKEND_OPTIONS)}")
     device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), None)
     manager = PassManager(build_passes(options.get("passes")),
                           backend=resolve_backend(options.get("backend", "auto"), device),
                           disable=tuple(options.get("disable", ())), debug_dir=options.get("debug_dir"),
                           check=bool(options.get("check", False)))
-    return make_backend(manager, inductor=options.get("inductor", True))(gm, example_inputs)
+    compiled = make_backend(manager, inductor=options.get("inductor", True))(gm, example_inputs)
+    _BACKEND_REPORTS.extend(manager.reports)
+    return compiled
 
 
 torch._dynamo.register_backend(name="v4compile")(_default_backend)

@@ -14,7 +14,7 @@ from torch import fx
 
 from .backend import make_backend
 from .golden import Agreement, GoldenFolder
-from .model import DeepSeekV4
+from .model import DeepSeekV4, V4Config
 from .optimize import OptimizedModel, model_device, optimize, resolve_backend
 from .passes import build_passes
 from .passes.base import Match
@@ -23,13 +23,19 @@ from .passes.manager import PassManager
 ENTRIES = ("forward", "prefill", "decode")
 
 
-def sample_ids(model: DeepSeekV4, batch: int = 2, length: int | None = None, seed: int = 0) -> torch.Tensor:
-    """Random prompt ids long enough to fill every compressed-layer kind at least once."""
-    config = model.config
-    longest = max([r for r in config.layer_ratios if r] or [4])
-    length = length or min(config.max_seq_len - 4, max(2 * config.window_size, longest + 8))
+def sample_ids(model: torch.nn.Module, batch: int = 2, length: int | None = None, seed: int = 0) -> torch.Tensor:
+    """Random prompt ids long enough to fill every compressed-layer kind of a ``DeepSeekV4`` at least once; for
+    another model (a transformers V4), ``length`` (default 160: past one C128 block) ids below its
+    ``config.vocab_size``."""
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise ValueError(f"cannot make sample ids for {type(model).__name__}: it has no config.vocab_size")
+    if isinstance(config, V4Config):
+        longest = max([r for r in config.layer_ratios if r] or [4])
+        length = length or min(config.max_seq_len - 4, max(2 * config.window_size, longest + 8))
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, config.vocab_size, (batch, length), generator=gen)
+    return torch.randint(0, vocab, (batch, length or 160), generator=gen)
 
 
 def run_entries(optimized: OptimizedModel, ids: torch.Tensor, entries: tuple[str, ...] = ENTRIES,
@@ -53,13 +59,16 @@ def run_entries(optimized: OptimizedModel, ids: torch.Tensor, entries: tuple[str
     return out
 
 
-def explain(model: DeepSeekV4, *, backend: str = "reference", entries: tuple[str, ...] = ENTRIES,
+def explain(model: torch.nn.Module, *, backend: str = "reference", entries: tuple[str, ...] = ENTRIES,
             debug_dir: str | Path | None = None, passes: list[str] | None = None,
             disable: tuple[str, ...] = ()) -> OptimizedModel:
     """Compiles the entry points (without Inductor) as whole graphs so their reports list every layer's matches
-    and near-misses."""
+    and near-misses. Any other model than a ``DeepSeekV4`` (a transformers V4, say) has its forward explained
+    only: prefill and decode are v4compile's cache API."""
     optimized = optimize(model, backend=backend, passes=passes, disable=disable, debug_dir=debug_dir,
                          inductor=False, regions=False)
+    if not isinstance(model, DeepSeekV4):
+        entries = ("forward",)
     run_entries(optimized, sample_ids(model).to(next(model.parameters()).device), entries)
     return optimized
 
