@@ -143,11 +143,6 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 _BACKEND_REPORTS: list[GraphReport] = []
 
 
-def backend_reports() -> list[GraphReport]:
-    """The report of every graph ``torch.compile(..., backend="v4compile")`` compiled in this process, in order."""
-    return list(_BACKEND_REPORTS)
-
-
 def last_report() -> PassSummary:
     """What the passes did in the last graph ``torch.compile(..., backend="v4compile")`` compiled (a model captured
     without graph breaks is one graph per entry point and input shape); prints as the report table. A ValueError

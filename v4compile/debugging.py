@@ -183,7 +183,7 @@ def golden_check(optimized: OptimizedModel, golden_dir: str | Path) -> dict[str,
     """Eager vs golden, optimized vs golden and optimized vs eager on a golden folder's cases: the full-sequence
     logits at the golden rows (one compile per case length; ``golden.score`` scores one prefill per row)."""
     model = optimized.model
-    device = model.embed.weight.device
+    device = model_device(model)
     eager, fast, golden = [], [], []
     with torch.no_grad():
         for case in GoldenFolder.read(golden_dir).cases:

@@ -69,6 +69,9 @@ def test_the_engine_takes_text_and_stops_at_the_end_of_sequence(tiny_model: v4co
     first = by_text[0].tokens.index(stop)
     assert stopped.tokens == by_text[0].tokens[: first + 1] and stopped.finish_reason == "stop"
     assert len(stopped.logprobs) == len(stopped.tokens)
+    # MTP emits two tokens a step: a stop in the first ends the request before the second
+    (speculated,) = engine.generate(prompts[:1], 8, stop_ids=[stop], mtp=True)
+    assert speculated.tokens == stopped.tokens and speculated.finish_reason == "stop"
     with pytest.raises(ValueError, match="text prompts need a tokenizer"):
         Engine(tiny_model).generate(["hi"], 2)
 

@@ -191,8 +191,9 @@ class PassManager(CustomGraphPass):
                 try:
                     rewrite = graph_pass.analyze(node, ctx)
                 except NoMatch as miss:
-                    stats.near_misses.append(NearMiss(graph_pass.name, self._locate(node), str(miss)))
-                    _PASSES.debug("%s: %s near-miss at %s: %s", name, graph_pass.name, self._locate(node), miss)
+                    location = self._locate(node)
+                    stats.near_misses.append(NearMiss(graph_pass.name, location, str(miss)))
+                    _PASSES.debug("%s: %s near-miss at %s: %s", name, graph_pass.name, location, miss)
                     continue
                 location = self._locate(node)
                 if self.fuel is not None and self.fuel <= 0:

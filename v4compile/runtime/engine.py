@@ -47,6 +47,7 @@ class _Request:
     draft: int = -1
     hidden: torch.Tensor | None = None
     routing: list[Routing] = field(default_factory=list)
+    stopped: bool = False
 
 
 class Engine:
@@ -328,7 +329,7 @@ class Engine:
             req.out.mtp_drafted += 1
             confirmed = int(logits[req.row, 0].argmax()) == req.draft
             self._emit(req, logits[req.row, 0], 0.0, 1.0)
-            kept = 2 if confirmed and len(req.out.tokens) < req.max_new else 1
+            kept = 2 if confirmed and not req.stopped and len(req.out.tokens) < req.max_new else 1
             if routing is not None:
                 req.routing.append(_row(routing, req.row, kept))
             if kept == 2:
@@ -358,11 +359,10 @@ class Engine:
         req.token = token
         req.out.tokens.append(token)
         req.out.logprobs.append(logprob)
+        req.stopped = token in self.stop_ids
 
     def _finished(self, req: _Request) -> bool:
-        stop = next((i for i, t in enumerate(req.out.tokens) if t in self.stop_ids), None)
-        if stop is not None:
-            del req.out.tokens[stop + 1 :], req.out.logprobs[stop + 1 :]
+        if req.stopped:
             req.out.finish_reason = "stop"
         elif len(req.out.tokens) < req.max_new:
             return False
