@@ -110,3 +110,38 @@ def test_kinds_follow_shapes_and_settings_and_names_stay_short(tiny_model: v4com
     assert span([1, 3]) == "1,3" and span([2, 4, 6, 8, 10]) == "2,4,...,10" and span([0, 1, 5, 9]) == "0,1,5,9"
     with pytest.raises(ValueError, match="no repeated blocks in `layers`"):
         Regions(torch.nn.Linear(2, 2), torch.compile)
+
+
+def _decode(fn: object, model: v4compile.DeepSeekV4, batch: int) -> torch.Tensor:
+    ids = torch.randint(0, model.config.vocab_size, (batch, 11), generator=torch.Generator().manual_seed(batch))
+    cache = model.new_cache(batch)
+    with torch.no_grad():
+        fn.hidden_states(ids[:, :10], cache)
+        return fn.decode_step(ids[:, 10:], torch.full((batch,), 10), cache)
+
+
+def _rewrites(optimized: v4compile.OptimizedModel) -> dict[str, dict[str, int]]:
+    return {r.graph: {p.name: len(p.matches) for p in r.passes} for r in optimized.reports()}
+
+
+def test_one_compile_serves_every_decode_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch 1 and one dynamic batch compile; batches 3, 5 and 8 then reuse the dynamic graphs (Dynamo compiles
+    no new frame), with every rewrite a static compile makes, and the eager model's logits bitwise."""
+    import v4compile.regions as regions
+
+    model = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=5).eval()
+    optimized = v4compile.optimize(model, backend="reference", inductor=False)
+    for batch in (1, 2):
+        assert torch.equal(_decode(optimized, model, batch), _decode(model, model, batch))
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphs = _graphs(optimized)
+    for batch in (3, 5, 8):
+        assert torch.equal(_decode(optimized, model, batch), _decode(model, model, batch))
+    assert _graphs(optimized) == graphs and torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled
+    dynamic = _rewrites(optimized)
+
+    monkeypatch.setattr(regions, "mark_batch_dynamic", lambda args, kwargs: None)
+    static = v4compile.optimize(model, backend="reference", inductor=False)
+    _decode(static, model, 2)
+    assert _rewrites(static) == {g: r for g, r in dynamic.items() if g in _rewrites(static)}
+    assert sum(sum(r.values()) for r in _rewrites(static).values()) > 0

@@ -18,6 +18,7 @@ import torch.fx.traceback as fx_traceback
 from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from . import progress
 from .codegen.ops import reference_decompositions
@@ -44,6 +45,7 @@ def inline_reference_bodies(gm: fx.GraphModule, example_inputs: list[Any]) -> fx
 
 def _retrace(gm: fx.GraphModule, example_inputs: list[Any], pre_dispatch: bool,
              decompositions: dict[Any, Callable[..., Any]] | None = None) -> fx.GraphModule:
+    example_inputs = _symbolic_examples(gm, example_inputs)
     fake_mode = detect_fake_mode(example_inputs)
     runner = lambda *args: fx.Interpreter(gm).run(*args)  # noqa: E731
     trace = {"pre_dispatch": pre_dispatch, "decomposition_table": decompositions}
@@ -57,6 +59,22 @@ def _retrace(gm: fx.GraphModule, example_inputs: list[Any], pre_dispatch: bool,
             return make_fx(runner, **trace)(*example_inputs)
     finally:
         fake_mode.allow_non_fake_inputs = previous
+
+
+def _symbolic_examples(gm: fx.GraphModule, example_inputs: list[Any]) -> list[Any]:
+    """Dynamo's own fake values of the graph inputs when some size is symbolic (a dynamic batch or sequence): the
+    retrace then keeps those sizes symbolic, where tracing the real example inputs would pin them to this call's
+    sizes."""
+    values = [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(values) != len(example_inputs) or not any(_is_symbolic(v) for v in values):
+        return example_inputs
+    return values
+
+
+def _is_symbolic(value: Any) -> bool:
+    if isinstance(value, torch.SymInt):
+        return True
+    return isinstance(value, torch.Tensor) and not all(is_concrete_int(s) for s in value.shape)
 
 
 def make_backend(manager: PassManager, inductor: bool = True,

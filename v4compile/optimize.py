@@ -115,7 +115,7 @@ class OptimizedModel:
         self.regions: Regions | None = None
         if regions:
             backend = make_backend(manager, inductor=inductor)
-            self.regions = Regions(model, lambda fn: torch.compile(fn, backend=backend, dynamic=False))
+            self.regions = Regions(model, lambda fn: torch.compile(fn, backend=backend, dynamic=None))
 
     def _entry(self, name: str) -> Any:
         if name in ("decode_step", "decode_tokens") and \

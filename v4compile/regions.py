@@ -11,6 +11,7 @@ installed on the model only while an optimized entry point runs, so the model it
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -75,7 +76,8 @@ class Regions:
         mtp = compile_fn(model._mtp)
 
         def mtp_region(hidden: torch.Tensor, next_ids: torch.Tensor, k: int, *args: Any, **kwargs: Any) -> Any:
-            with progress.region(f"mtp.{k}"):
+            mark_batch_dynamic((hidden, next_ids, *args), kwargs)
+            with progress.region(f"mtp.{k}"), _only_marked_dynamic():
                 return mtp(hidden, next_ids, k, *args, **kwargs)
 
         self.mtp = mtp_region
@@ -101,11 +103,43 @@ class Regions:
                     del model.logits, model._mtp
 
 
+def mark_batch_dynamic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Marks the batch dimension dynamic in a region call: dim 0 of every tensor argument (inside caches, routing
+    records and lists too) whose first size is the first argument's, when that batch is above 1. One graph then
+    serves every batch of 2 and more (batch 1 is its own graph: Dynamo specialises sizes of 1)."""
+    first = args[0] if args else None
+    if not isinstance(first, torch.Tensor) or first.dim() == 0 or first.shape[0] < 2:
+        return
+    batch = first.shape[0]
+
+    def mark(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.dim() > 0 and value.shape[0] == batch:
+                torch._dynamo.maybe_mark_dynamic(value, 0)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                mark(getattr(value, f.name))
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                mark(item)
+
+    mark(args)
+    mark(list(kwargs.values()))
+
+
+def _only_marked_dynamic() -> Any:
+    """Dynamo's settings for a region call: the marked batch dimension is dynamic and every other size static
+    (no automatic dynamic shapes on a recompile, which would give the passes sizes they cannot rewrite for)."""
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+
+
 def _named(what: str, region: str, compiled: Callable[..., Any], scoped: bool) -> Callable[..., Any]:
-    """``compiled`` run inside ``progress.region(region, scoped)``, so its graphs are named (and located) by it."""
+    """``compiled`` run inside ``progress.region(region, scoped)``, so its graphs are named (and located) by it,
+    with the batch dimension dynamic (``mark_batch_dynamic``)."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        with progress.region(region, scoped):
+        mark_batch_dynamic(args, kwargs)
+        with progress.region(region, scoped), _only_marked_dynamic():
             return compiled(*args, **kwargs)
 
     call.__qualname__ = call.__name__ = what

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 
 class NoMatch(Exception):
@@ -154,14 +154,94 @@ def is_op(node: Any, *targets: Any) -> bool:
     return False
 
 
-def shape(node: Any) -> tuple[int, ...] | None:
-    """Static shape of a node's value (None when unknown or symbolic)."""
+class SymDim:
+    """A dynamic size in a pass's view of a shape (a batch or sequence dimension compiled for every size). It
+    compares equal to what it is provably equal to, without a guard (a guard would pin the compiled graph to
+    this call's size); any other use (ordering, arithmetic, ``int``) is a near-miss naming the size, so a pass
+    that needs the number declines instead of specialising the graph."""
+
+    def __init__(self, value: torch.SymInt) -> None:
+        self.value = value
+        self.expr = value.node.expr
+
+    def __repr__(self) -> str:
+        return str(self.expr)
+
+    @property
+    def hint(self) -> int | None:
+        """The size of the call this graph was first compiled for (None for a data-dependent size)."""
+        hint = self.value.node.hint
+        return None if hint is None else int(hint)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SymDim):
+            other = other.value
+        if not isinstance(other, (int, torch.SymInt)) or isinstance(other, bool):
+            return False
+        return statically_known_true(self.value == other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(str(self.value.node.shape_env.simplify(self.expr)))
+
+    def _dynamic(self, *_: Any) -> Any:
+        raise NoMatch(f"the size {self} is dynamic (compiled for every size), and this rewrite needs its value")
+
+    __lt__ = __le__ = __gt__ = __ge__ = __int__ = __index__ = __bool__ = _dynamic
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _dynamic
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __truediv__ = __rtruediv__ = __neg__ = _dynamic
+
+
+def shape(node: Any) -> tuple[int | SymDim, ...] | None:
+    """The shape of a node's value (None when unknown): ints, and a ``SymDim`` for each dynamic size."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     if not isinstance(val, torch.Tensor):
         return None
-    if not all(is_concrete_int(s) for s in val.shape):
-        return None  # never int() a symbolic size: that would specialise the graph to this one size
-    return tuple(int(s) for s in val.shape)
+    return tuple(int(s) if is_concrete_int(s) else SymDim(s) for s in val.shape)
+
+
+def is_static(dims: tuple[int | SymDim, ...] | None) -> bool:
+    """Whether ``dims`` is a known shape of plain ints."""
+    return dims is not None and not any(isinstance(d, SymDim) for d in dims)
+
+
+def numel(dims: tuple[int | SymDim, ...]) -> int | str:
+    """The element count of ``dims`` for a report: an int, or the expression of a dynamic count."""
+    if is_static(dims):
+        return int(torch.Size(dims).numel())
+    return "*".join(str(d) for d in dims)
+
+
+def skip_noop_slices(node: Any) -> Any:
+    """``node`` under any aliases and whole-dimension slices (``x[:, :]``, a no-op that a static trace drops
+    and a dynamic one keeps)."""
+    while is_op(node, torch.ops.aten.alias) or is_op(node, torch.ops.aten.slice) and _whole_slice(node):
+        node = node.args[0]
+    return node
+
+
+def users_past_noop_slices(node: fx.Node) -> list[fx.Node]:
+    """The users of ``node``, each whole-dimension slice or alias among them replaced by its own users."""
+    found: list[fx.Node] = []
+    for user in node.users:
+        if skip_noop_slices(user) is node:
+            found.extend(users_past_noop_slices(user))
+        else:
+            found.append(user)
+    return found
+
+
+def _whole_slice(node: fx.Node) -> bool:
+    args = list(node.args) + [0, 0, None][len(node.args) - 1:]
+    source, dim, start, end = args[0], args[1], args[2] or 0, args[3]
+    if start != 0 or not isinstance(dim, int):
+        return False
+    if end is None or isinstance(end, int) and end >= 2**63 - 1:
+        return True
+    full = shape(source)
+    return isinstance(end, int) and full is not None and isinstance(full[dim], int) and end >= full[dim]
 
 
 def dtype(node: Any) -> torch.dtype | None:

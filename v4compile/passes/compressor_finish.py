@@ -17,8 +17,8 @@ from torch import fx
 
 from ..codegen import ops
 from ..model.compressor import finish_entries
-from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, only_user, shape
-from .template import Binding, Template, bind, trace
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, SymDim, is_op, only_user, shape
+from .template import Binding, Template, bind, example_sizes, trace
 
 aten = torch.ops.aten
 _SEARCH = 400
@@ -73,22 +73,28 @@ def _rope_dims(after: list[fx.Node], width: int) -> int:
 
 
 @lru_cache(maxsize=64)
-def _template(pooled: tuple[int, ...], rope: int, eps: float, rotate: bool, pow2: bool) -> Template:
-    """``finish_entries`` traced for pooled entries of this shape (cos/sin of one row per entry row)."""
+def _template(pooled: tuple[int, ...], rope: int, eps: float, rotate: bool, pow2: bool,
+              dynamic: tuple[int, ...]) -> Template:
+    """``finish_entries`` traced for pooled entries of this shape (cos/sin of one row per entry row), ``dynamic``
+    the pooled entries' dynamic dims."""
     table = torch.empty(pooled[-2] if len(pooled) > 1 else 1, rope // 2)
     example = [torch.empty(pooled), table, table.clone(), torch.empty(pooled[-1])]
-    return trace(lambda p, cos, sin, w: finish_entries(p, cos, sin, w, eps, rotate, pow2), example)
+    rows = len(pooled) - 2
+    tables = (0,) if len(pooled) > 1 and rows in dynamic else ()
+    return trace(lambda p, cos, sin, w: finish_entries(p, cos, sin, w, eps, rotate, pow2), example,
+                 [dynamic, tables, tables, ()])
 
 
-def find_finish(pooled: fx.Node, dims: tuple[int, ...]) -> Finish:
+def find_finish(pooled: fx.Node, dims: tuple[int | SymDim, ...]) -> Finish:
     """The finish applied to ``pooled`` (its only use; entries of shape ``dims``), or NoMatch naming what differs
     from the model's."""
     only_user(pooled, "the pooled entries have other uses than one finish")
     after = _after(pooled)
     eps, rope = _eps(after), _rope_dims(after, dims[-1])
+    sizes, dynamic = example_sizes(dims)
     best: Binding | None = None
     for rotate, pow2 in VARIANTS:
-        template = _template(dims, rope, eps, rotate, pow2)
+        template = _template(sizes, rope, eps, rotate, pow2, dynamic)
         for node in after:
             if node.op != "call_function" or node.target != template.output.target:
                 continue
@@ -142,7 +148,7 @@ class CompressorFinish(GraphPass):
         ratio, width = pool_args[-2:] if state else pool_args[-3:-1]
         rows = (shape(pool_args[0]) or (None,))[0]
         if rows is None:
-            raise NoMatch("the pooled entries have a dynamic shape")
+            raise NoMatch("the pooled entries have an unknown shape")
         finish = find_finish(_pooled_value(node), (rows, width) if state else (rows, pool_args[-1], width))
         unsupported = supports(width, finish.rope, finish.rotate)
         if unsupported:

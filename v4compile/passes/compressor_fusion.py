@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from ..codegen import ops
-from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, only_user, shape
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, only_user, shape, skip_noop_slices
 
 aten = torch.ops.aten
 END = 2**63 - 1
@@ -28,25 +28,22 @@ def _slice_args(node: fx.Node) -> tuple[fx.Node, int, int, int]:
     args = list(node.args) + [0, 0, END][len(node.args) - 1:]
     src, dim, start, end = args[0], args[1], args[2] or 0, args[3]
     full = shape(src)
-    if full is not None and end is not None and end >= full[dim]:
+    if full is not None and isinstance(end, int) and isinstance(full[dim], int) and end >= full[dim]:
         end = END
     return src, dim, start, END if end is None else end
 
 
 def _expect_slice(node: object, dim: int, start: int, end: int, what: str) -> fx.Node:
+    node = skip_noop_slices(node)
     if not is_op(node, aten.slice):
         raise NoMatch(f"{what} is not a slice")
     src, d, s, e = _slice_args(node)
     ndim = len(shape(src) or ())
     if (d % ndim if ndim else d) != dim or s != start or e != end:
         raise NoMatch(f"{what} slices dim {d} [{s}:{e}] instead of dim {dim} [{start}:{end}]")
-    return src
+    return skip_noop_slices(src)
 
 
-def _strip_aliases(node: fx.Node) -> fx.Node:
-    while is_op(node, aten.alias):
-        node = node.args[0]
-    return node
 
 
 def _blocked_source(node: fx.Node, ratio: int, what: str) -> tuple[fx.Node, int]:
@@ -57,12 +54,12 @@ def _blocked_source(node: fx.Node, ratio: int, what: str) -> tuple[fx.Node, int]
     if dim != 1 or len(sizes) != 2 or sizes[1] != ratio:
         raise NoMatch(f"{what} is split as dim {dim} into {sizes}, not tokens into blocks of {ratio}")
     n_blocks = shape(node)[1]
-    src = _strip_aliases(src)
+    src = skip_noop_slices(src)
     if is_op(src, aten.slice):
         inner, d, start, end = _slice_args(src)
         if d != 1 or start != 0 or (end != END and end != n_blocks * ratio):
             raise NoMatch(f"{what} takes tokens [{start}:{end}], not the complete blocks from token 0")
-        src = _strip_aliases(inner)
+        src = skip_noop_slices(inner)
     return src, n_blocks
 
 

@@ -25,7 +25,7 @@ from torch import fx
 from .. import batch_invariant
 from ..codegen import ops
 from ..codegen.triton.fp32_linear import DTYPES
-from .base import GraphPass, NoMatch, Rewrite, RewriteContext, dtype, is_op, shape
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, dtype, is_op, numel, shape
 
 aten = torch.ops.aten
 _PRODUCTS = (aten.linear, aten.matmul, aten.mm, aten.addmm)
@@ -109,14 +109,14 @@ class Fp32Linear(GraphPass):
             if operand is not None and dtype(operand) not in DTYPES:
                 raise NoMatch(f"the {what} is {dtype(operand)}, not fp32 or a widened bf16 / fp16")
         out, w = shape(node), shape(weight)
-        rows = int(torch.Size(out[:-1]).numel()) if out is not None else None
+        rows = numel(out[:-1]) if out is not None else None
         if out and out[-1] < MIN_COLUMNS:
             raise NoMatch(f"{out[-1]} output columns: under one {MIN_COLUMNS}-wide tensor-core tile (cuBLAS's fp32 "
                           "product is faster there)")
         if rows == 1:
             raise NoMatch("one row: a GEMV, where cuBLAS's fp32 GEMV reads the weight as fast (H200: output head "
                           "512 vs 542 us) with one launch")
-        details = {"rows": rows if rows is not None else "symbolic",
+        details = {"rows": rows if rows is not None else "unknown",
                    "out_features": w[0 if not transposed else 1] if w else "symbolic",
                    "in_features": w[1 if not transposed else 0] if w else "symbolic", "weight": weight.name,
                    "weight_dtype": _name(dtype(weight)), "activation_dtype": _name(dtype(x)),

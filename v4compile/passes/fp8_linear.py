@@ -23,8 +23,8 @@ from torch import fx
 from ..codegen import ops
 from ..codegen.triton.fp8_linear import BLOCK
 from ..model.linear import Linear
-from .base import GraphPass, NoMatch, Rewrite, RewriteContext, ancestors, dtype, is_op, locate, shape
-from .template import Template, bind, trace
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, ancestors, dtype, is_op, is_static, locate, numel, shape
+from .template import Template, bind, example_sizes, trace
 
 aten = torch.ops.aten
 _PRODUCTS = (aten.linear, aten.matmul, aten.mm)
@@ -39,8 +39,10 @@ def _e4m3_leaf(operand: object, limit: int = 32) -> fx.Node | None:
 
 
 @lru_cache(maxsize=256)
-def _template(x_shape: tuple[int, ...], x_dtype: torch.dtype, n: int, pow2: bool) -> Template:
-    """``Linear.unrounded`` of an FP8 layer [n, K] with this scale rule, traced for x of this shape and dtype."""
+def _template(x_shape: tuple[int, ...], x_dtype: torch.dtype, n: int, pow2: bool,
+              dynamic: tuple[int, ...]) -> Template:
+    """``Linear.unrounded`` of an FP8 layer [n, K] with this scale rule, traced for x of this shape and dtype
+    (``dynamic``: x's dynamic dims)."""
     k = x_shape[-1]
     with torch.device("meta"):
         layer = Linear(k, n, "fp8", pow2)
@@ -50,7 +52,7 @@ def _template(x_shape: tuple[int, ...], x_dtype: torch.dtype, n: int, pow2: bool
     def forward(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return torch.func.functional_call(_Unrounded(layer), {"layer.weight": weight, "layer.scale": scale}, (x,))
 
-    return trace(forward, example)
+    return trace(forward, example, [dynamic, (), ()])
 
 
 class _Unrounded(torch.nn.Module):
@@ -87,8 +89,8 @@ class Fp8Linear(GraphPass):
             raise NoMatch(f"{node.target} with an e4m3 weight is not the model's bias-free linear(x, W)")
         x_shape, weight = shape(node.args[0]), _e4m3_leaf(node.args[1])
         w_shape = shape(weight)
-        if x_shape is None or w_shape is None:
-            raise NoMatch("the activation or the weight has a symbolic or unknown shape")
+        if x_shape is None or not is_static(w_shape):
+            raise NoMatch("the activation or the weight has an unknown shape")
         n, k = w_shape
         if k % BLOCK:
             raise NoMatch(f"in_features {k} is not a multiple of the activation block {BLOCK}")
@@ -97,8 +99,9 @@ class Fp8Linear(GraphPass):
         if x_dtype is None:
             raise NoMatch(f"the activation at {locate(node)} has no known dtype")
         best = None
+        sizes, dynamic = example_sizes(shape(activation) or x_shape)
         for pow2 in (True, False):
-            binding = bind(_template(tuple(shape(activation) or x_shape), x_dtype, n, pow2), node)
+            binding = bind(_template(sizes, x_dtype, n, pow2, dynamic), node)
             if binding.inputs is not None:
                 break
             if best is None or binding.matched > best.matched:
@@ -111,7 +114,7 @@ class Fp8Linear(GraphPass):
         impl = ops.implementation_backend("fp8_linear", ctx.backend)
         rounding = _bf16_rounding(node)
         out_dtype = torch.float32 if rounding is None else torch.bfloat16
-        details = {"rows": int(torch.Size(x_shape[:-1]).numel()), "out_features": n, "in_features": k,
+        details = {"rows": numel(x_shape[:-1]), "out_features": n, "in_features": k,
                    "pow2_scales": pow2, "weight": w.name, "out_dtype": str(out_dtype).removeprefix("torch.")}
         return Rewrite(rounding or node, ops.fp8_linear, (x, w, s, pow2, out_dtype, ctx.backend),
                        f"fp8_linear.{impl}", details)

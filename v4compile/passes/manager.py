@@ -23,7 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import logs, progress
 from ..codegen.registry import REGISTRY
-from .base import GraphPass, Location, Match, NearMiss, NoMatch, Rewrite, RewriteContext, locate
+from .base import GraphPass, Location, Match, NearMiss, NoMatch, Rewrite, RewriteContext, SymDim, locate
 from .summary import PassSummary, summary_rows
 
 _PASSES = logs.logger("passes")
@@ -86,6 +86,16 @@ class CheckRecorder:
         m.worst_rel_error = worst if m.worst_rel_error is None else max(m.worst_rel_error, worst)
         m.checked_calls += 1
         return new
+
+
+def _without_sizes(rewrite: Rewrite) -> Rewrite:
+    """``rewrite`` with any dynamic size in its details as its expression; a dynamic size among the op's arguments
+    is a near-miss (the call would bake one size into a graph compiled for every size)."""
+    for arg in rewrite.args:
+        if isinstance(arg, SymDim):
+            raise NoMatch(f"the rewrite takes the dynamic size {arg} as a constant")
+    rewrite.details = {k: str(v) if isinstance(v, SymDim) else v for k, v in rewrite.details.items()}
+    return rewrite
 
 
 def apply_rewrite(graph: fx.Graph, rewrite: Rewrite, check: Match | None = None) -> fx.Node:
@@ -189,7 +199,7 @@ class PassManager(CustomGraphPass):
                 if node.graph is not gm.graph:
                     continue
                 try:
-                    rewrite = graph_pass.analyze(node, ctx)
+                    rewrite = _without_sizes(graph_pass.analyze(node, ctx))
                 except NoMatch as miss:
                     location = self._locate(node)
                     stats.near_misses.append(NearMiss(graph_pass.name, location, str(miss)))

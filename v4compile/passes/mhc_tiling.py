@@ -19,7 +19,7 @@ import torch
 from torch import fx
 
 from ..codegen import ops
-from .base import GraphPass, NoMatch, Rewrite, RewriteContext, dtype, is_op, shape
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, SymDim, dtype, is_op, numel, shape
 
 aten = torch.ops.aten
 END = 2**63 - 1
@@ -357,8 +357,5 @@ class MhcTiling(GraphPass):
         return by_dim[first], by_dim[second]
 
 
-def _rows(streams: tuple[int, ...]) -> int:
-    rows = 1
-    for size in streams[:-2]:
-        rows *= size
-    return rows
+def _rows(streams: tuple[int | SymDim, ...]) -> int | str:
+    return numel(streams[:-2])

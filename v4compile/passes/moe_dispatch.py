@@ -24,8 +24,19 @@ from torch.func import functional_call
 from ..codegen import ops
 from ..model.linear import WEIGHT_DTYPES, weight_shapes
 from ..model.moe import RoutedExperts
-from .base import GraphPass, NoMatch, Rewrite, RewriteContext, ancestors, dtype, is_op, locate, shape
-from .template import Template, bind, skip_noop_casts, trace
+from .base import (
+    GraphPass,
+    NoMatch,
+    Rewrite,
+    RewriteContext,
+    ancestors,
+    dtype,
+    is_op,
+    locate,
+    shape,
+    users_past_noop_slices,
+)
+from .template import Template, bind, example_sizes, skip_noop_casts, trace
 
 aten = torch.ops.aten
 FORMATS = {torch.int8: "fp4", torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16"}
@@ -47,7 +58,7 @@ def _stacked_weight(mm: fx.Node) -> tuple[fx.Node, fx.Node | None]:
 def _sum_end(view: fx.Node) -> fx.Node:
     """The last add of the per-token sum over the [tokens, top_k, dim] expert outputs ``view``: the adds that take
     a term computed from one of its slots, the one whose users are none of them."""
-    terms = {u for select in view.users for u in select.users}
+    terms = {u for select in users_past_noop_slices(view) for u in select.users}
     adds = [a for t in terms for a in t.users if is_op(a, aten.add)]
     ends = [a for a in dict.fromkeys(adds) if not any(u in adds for u in a.users)]
     if len(ends) != 1:
@@ -75,8 +86,9 @@ def _constant_after(nodes: list[fx.Node], op: object, position: int) -> list[obj
 
 @lru_cache(maxsize=64)
 def _template(tokens: int, k: int, n: int, first: int, dim: int, inter: int, fmt: str, pow2: bool,
-              limit: float) -> Template:
-    """``RoutedExperts.forward`` with these settings traced for x [tokens, dim] bf16, weights/ids [tokens, k]."""
+              limit: float, dynamic: bool) -> Template:
+    """``RoutedExperts.forward`` with these settings traced for x [tokens, dim] bf16, weights/ids [tokens, k]
+    (``dynamic``: a dynamic token count)."""
     with torch.device("meta"):
         module = RoutedExperts(n, first, dim, inter, fmt, pow2, limit)
     example = [torch.empty(tokens, dim, dtype=torch.bfloat16), torch.empty(tokens, k, dtype=torch.float32),
@@ -92,7 +104,8 @@ def _template(tokens: int, k: int, n: int, first: int, dim: int, inter: int, fmt
     def forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         return functional_call(module, dict(zip(names, params, strict=True)), (x, weights, ids))
 
-    return trace(forward, example)
+    rows = (0,) if dynamic else ()
+    return trace(forward, example, [rows, rows, rows] + [()] * len(names))
 
 
 class MoeDispatch(GraphPass):
@@ -128,7 +141,7 @@ class MoeDispatch(GraphPass):
         if view is None:
             raise NoMatch(f"the expert outputs at {locate(node)} are not viewed as [tokens, top_k, dim]")
         end = _sum_end(view)
-        tokens, k = (shape(view) or (0, 0))[:2]
+        (tokens, k), dynamic = example_sizes((shape(view) or (0, 0))[:2])
         offsets = _constant_after(ancestors(end), aten.sub, 1)
         first = int(offsets[0]) if offsets else 0
         clamps = [n for n in hidden if is_op(n, aten.clamp) and _source(n.args[0]) in gated]
@@ -136,7 +149,7 @@ class MoeDispatch(GraphPass):
         limit = max(limits) if limits else 0.0
         best = None
         for pow2 in ((True, False) if fmt != "bf16" else (False,)):
-            binding = bind(_template(tokens, k, n, first, dim, inter, fmt, pow2, limit), end)
+            binding = bind(_template(tokens, k, n, first, dim, inter, fmt, pow2, limit, 0 in dynamic), end)
             if binding.inputs is not None:
                 break
             if best is None or binding.matched > best.matched:
@@ -149,7 +162,7 @@ class MoeDispatch(GraphPass):
         w1, s1, w3, s3, w2, s2 = params if quantized else (params[0], None, params[1], None, params[2], None)
         impl = ops.implementation_backend("moe_experts", ctx.backend)
         details = {"experts": n, "first": first, "top_k": k, "format": fmt, "pow2_scales": pow2,
-                   "swiglu_limit": limit, "tokens": tokens, "dim": dim, "inter_dim": inter}
+                   "swiglu_limit": limit, "tokens": shape(view)[0], "dim": dim, "inter_dim": inter}
         return Rewrite(end, ops.moe_experts, (x, weights, ids, first, w1, w3, w2, s1, s3, s2, fmt, pow2,
                                               limit, ctx.backend), f"moe_experts.{fmt}.{impl}", details)
 

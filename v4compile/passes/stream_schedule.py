@@ -178,7 +178,8 @@ def _graph_target(gm: fx.GraphModule) -> str:
 
 
 def _product_rows(node: fx.Node) -> int:
-    """Rows of the left operand when ``node`` is a matrix product (ATen's or a custom linear op), else 0."""
+    """Rows of the left operand when ``node`` is a matrix product (ATen's or a custom linear op), else 0; a dynamic
+    size counts as the size the graph was first compiled for."""
     if node.op != "call_function":
         return 0
     name = str(getattr(node.target, "__name__", node.target))
@@ -186,4 +187,9 @@ def _product_rows(node: fx.Node) -> int:
         return 0
     left = node.args[1] if name.startswith("addmm") and len(node.args) > 1 else node.args[0] if node.args else None
     sizes = shape(left)
-    return int(torch.Size(sizes[:-1]).numel()) if sizes is not None and len(sizes) >= 2 else 0
+    if sizes is None or len(sizes) < 2:
+        return 0
+    rows = 1
+    for size in sizes[:-1]:
+        rows *= size if isinstance(size, int) else (size.hint or 0)
+    return rows

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from .base import dtype, is_op, locate
 
@@ -47,12 +48,23 @@ class Binding:
     inputs and constants they read: what a rewrite of the whole match replaces."""
 
 
-def trace(fn: Callable[..., torch.Tensor], example: list[torch.Tensor]) -> Template:
+def trace(fn: Callable[..., torch.Tensor], example: list[torch.Tensor],
+          dynamic: list[tuple[int, ...]] | None = None) -> Template:
     """``fn`` traced to pre-dispatch ATen on fake copies of ``example`` (only shapes and dtypes are used), with
     static shapes even when called inside a torch.compile backend (whose tracing context would make them
-    symbolic)."""
+    symbolic), but for ``dynamic[i]``, the dims of input i that are symbols (valued as in the example): the
+    template of a dynamic graph, where the arguments the function computes from those sizes are nodes, which
+    ``bind`` matches by their value."""
     with torch._guards.tracing(None), unset_fake_temporarily():
-        module = make_fx(fn, pre_dispatch=True, tracing_mode="fake")(*example)
+        if not dynamic or not any(dynamic):
+            module = make_fx(fn, pre_dispatch=True, tracing_mode="fake")(*example)
+        else:
+            mode = FakeTensorMode(shape_env=ShapeEnv())
+            fakes = [mode.from_tensor(x, symbolic_context=StatelessSymbolicContext(
+                dynamic_sizes=[DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(x.dim())]))
+                for x, dims in zip(example, dynamic, strict=True)]
+            with mode:
+                module = make_fx(fn, pre_dispatch=True)(*fakes)
     inputs = [n for n in module.graph.nodes if n.op == "placeholder"]
     (output,) = [n for n in module.graph.nodes if n.op == "output"]
     result = output.args[0]
@@ -115,6 +127,13 @@ class _Matcher:
         return all(self.value(p.kwargs.get(k), g.kwargs.get(k), p) for k in keys)
 
     def value(self, p: Any, g: Any, owner: fx.Node) -> bool:
+        if isinstance(p, fx.Node) and _size_value(p) is not None:
+            if _size_value(p) != _size_value(g):
+                return self.fail(f"{owner.target} has a size {g!r} where the model's computes {p.name} = "
+                                 f"{_size_value(p)} from its input sizes")
+            return True
+        if isinstance(g, fx.Node) and _size_value(g) is not None:
+            return self.fail(f"{owner.target} has the dynamic size {g.name} where the model's has {p!r}")
         if isinstance(p, fx.Node):
             return self.node(p, g)
         if isinstance(p, (list, tuple)):
@@ -124,6 +143,31 @@ class _Matcher:
         if isinstance(g, fx.Node) or p != g:
             return self.fail(f"{owner.target} has argument {g!r} where the model's has {p!r}")
         return True
+
+
+def _size_value(value: Any) -> int | None:
+    """The value of a size in a graph: an int as is, a node computing a size (a symbolic template's, or a
+    dynamic graph's) the size of the call it was traced for; None for anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not isinstance(value, fx.Node):
+        return None
+    val = value.meta.get("val", value.meta.get("example_value"))
+    if isinstance(val, torch.SymInt):
+        hint = val.node.hint
+        return None if hint is None else int(hint)
+    return None
+
+
+def example_sizes(dims: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The sizes to trace a template at for a graph value of shape ``dims`` (ints, ``SymDim`` for dynamic sizes):
+    the sizes of the call the graph was traced for, and which dims are dynamic."""
+    sizes = tuple(d if isinstance(d, int) else d.hint for d in dims)
+    if any(s is None for s in sizes):
+        from .base import NoMatch
+
+        raise NoMatch(f"a size of {dims} depends on data")
+    return sizes, tuple(i for i, d in enumerate(dims) if not isinstance(d, int))
 
 
 def bind(template: Template, node: fx.Node) -> Binding:
