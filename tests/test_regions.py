@@ -126,11 +126,13 @@ def _rewrites(optimized: v4compile.OptimizedModel) -> dict[str, dict[str, int]]:
 
 def test_one_compile_serves_every_decode_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Batch 1 and one dynamic batch compile; batches 3, 5 and 8 then reuse the dynamic graphs (Dynamo compiles
-    no new frame), with every rewrite a static compile makes, and the eager model's logits bitwise."""
+    no new frame), with every rewrite a static compile makes (the stream schedule's too: its cost estimates read
+    dynamic sizes without guarding them), and the eager model's logits bitwise."""
     import v4compile.regions as regions
 
     model = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=5).eval()
-    optimized = v4compile.optimize(model, backend="reference", inductor=False)
+    options = {"stream_schedule": {"target": "sm90"}}
+    optimized = v4compile.optimize(model, backend="reference", inductor=False, options=options)
     for batch in (1, 2):
         assert torch.equal(_decode(optimized, model, batch), _decode(model, model, batch))
     compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -141,7 +143,7 @@ def test_one_compile_serves_every_decode_batch(monkeypatch: pytest.MonkeyPatch) 
     dynamic = _rewrites(optimized)
 
     monkeypatch.setattr(regions, "mark_batch_dynamic", lambda args, kwargs: None)
-    static = v4compile.optimize(model, backend="reference", inductor=False)
+    static = v4compile.optimize(model, backend="reference", inductor=False, options=options)
     _decode(static, model, 2)
     assert _rewrites(static) == {g: r for g, r in dynamic.items() if g in _rewrites(static)}
     assert sum(sum(r.values()) for r in _rewrites(static).values()) > 0

@@ -175,8 +175,17 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return found
 
 
+def _hint(size: Any) -> int:
+    """A count as an int for an estimate: a dynamic one (a SymInt) at the size the graph was traced for, read
+    without a guard (``int()`` would pin the graph to that size); 1 when it depends on data."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return 1 if hint is None else int(hint)
+    return int(size)
+
+
 def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    return _hint(t.numel()) * t.element_size()
 
 
 def _flops(node: fx.Node, values: dict[fx.Node, Any]) -> int:
@@ -187,24 +196,27 @@ def _flops(node: fx.Node, values: dict[fx.Node, Any]) -> int:
     kwargs = fx.map_arg(node.kwargs, lambda n: values.get(n))
     out = values.get(node)
     if packet is torch.ops.aten.linear and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
-        return 2 * out.numel() * args[0].shape[-1]
+        return 2 * _hint(out.numel()) * _hint(args[0].shape[-1])
     if packet is torch.ops.aten.einsum and isinstance(args[0], str):
-        sizes: dict[str, int] = {}
+        sizes: dict[str, Any] = {}
         for letters, operand in zip(args[0].split("->")[0].split(","), args[1], strict=False):
             if isinstance(operand, torch.Tensor):
                 sizes.update(zip(letters.strip(), operand.shape, strict=False))
         total = 2
         for size in sizes.values():
-            total *= int(size)
+            total *= _hint(size)
         return total
     from torch.utils.flop_counter import flop_registry
 
     formula = flop_registry.get(packet)
     if formula is None:
         return 0
-    shapes = torch.utils._pytree.tree_map(lambda v: v.shape if isinstance(v, torch.Tensor) else v, (args, kwargs))
+    def hinted(v: Any) -> Any:
+        return torch.Size(_hint(s) for s in v.shape) if isinstance(v, torch.Tensor) else v
+
+    shapes = torch.utils._pytree.tree_map(hinted, (args, kwargs))
     try:
-        return int(formula(*shapes[0], **shapes[1], out_shape=out.shape if isinstance(out, torch.Tensor) else None))
+        return int(formula(*shapes[0], **shapes[1], out_shape=hinted(out) if isinstance(out, torch.Tensor) else None))
     except Exception:  # noqa: BLE001 - a formula that does not fit this call: no FLOPs counted
         return 0
 
