@@ -128,8 +128,18 @@ def test_one_compile_serves_every_decode_batch(monkeypatch: pytest.MonkeyPatch) 
     """Batch 1 and one dynamic batch compile; batches 3, 5 and 8 then reuse the dynamic graphs (Dynamo compiles
     no new frame), with every rewrite a static compile makes (the stream schedule's too: its cost estimates read
     dynamic sizes without guarding them), and the eager model's logits bitwise."""
+    import v4compile.backend as backend
     import v4compile.regions as regions
+    from v4compile.passes.streams.dag import node_values
 
+    unknown: list[str] = []
+
+    def scheduled(gm: torch.fx.GraphModule, example_inputs: list[object], inductor: bool) -> object:
+        values = node_values(gm)  # what a GPU's stream runner compiles each region on
+        unknown.extend(n.name for n in gm.graph.nodes if n.op == "call_function" and values.get(n) is None)
+        return None
+
+    monkeypatch.setattr(backend, "scheduled", scheduled)
     model = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=5).eval()
     options = {"stream_schedule": {"target": "sm90"}}
     optimized = v4compile.optimize(model, backend="reference", inductor=False, options=options)
@@ -140,6 +150,7 @@ def test_one_compile_serves_every_decode_batch(monkeypatch: pytest.MonkeyPatch) 
     for batch in (3, 5, 8):
         assert torch.equal(_decode(optimized, model, batch), _decode(model, model, batch))
     assert _graphs(optimized) == graphs and torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled
+    assert unknown == []
     dynamic = _rewrites(optimized)
 
     monkeypatch.setattr(regions, "mark_batch_dynamic", lambda args, kwargs: None)

@@ -17,6 +17,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
@@ -46,7 +47,9 @@ def inline_reference_bodies(gm: fx.GraphModule, example_inputs: list[Any]) -> fx
 def _retrace(gm: fx.GraphModule, example_inputs: list[Any], pre_dispatch: bool,
              decompositions: dict[Any, Callable[..., Any]] | None = None) -> fx.GraphModule:
     example_inputs = _symbolic_examples(gm, example_inputs)
-    fake_mode = detect_fake_mode(example_inputs)
+    # the inputs' own mode: a backend's tracing context may hold another, and values of two modes do not mix
+    fake_mode = next((x.fake_mode for x in example_inputs if isinstance(x, FakeTensor)), None)
+    fake_mode = fake_mode or detect_fake_mode(example_inputs)
     runner = lambda *args: fx.Interpreter(gm).run(*args)  # noqa: E731
     trace = {"pre_dispatch": pre_dispatch, "decomposition_table": decompositions}
     if fake_mode is None:

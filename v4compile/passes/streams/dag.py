@@ -12,6 +12,7 @@ import networkx as nx
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 
 META_KEY = "stream_schedule"
 """``node.meta`` key holding a node's ``(stream, thread)``, and ``gm.meta`` key holding the plan."""
@@ -225,13 +226,16 @@ def node_values(gm: fx.GraphModule) -> dict[fx.Node, Any]:
     """Every node's fake value: the trace's ``meta["val"]``, or for nodes a pass inserted without one, the op
     run on fake inputs (custom ops have fake implementations)."""
     values: dict[fx.Node, Any] = {}
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+    fallback = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
     for node in gm.graph.nodes:
         if "val" in node.meta:
             values[node] = node.meta["val"]
-        elif node.op == "call_function" and fake_mode is not None:
+        elif node.op == "call_function":
             args = fx.map_arg(node.args, lambda n: values.get(n))
             kwargs = fx.map_arg(node.kwargs, lambda n: values.get(n))
+            fake_mode = next((t.fake_mode for t in _tensors((args, kwargs)) if isinstance(t, FakeTensor)), fallback)
+            if fake_mode is None:
+                continue
             try:
                 with fake_mode:
                     values[node] = node.target(*args, **kwargs)
