@@ -65,21 +65,49 @@ def test_every_entry_point_runs_compiled_regions_with_the_models_results(tiny_mo
     for entry in ("hidden_states", "logits", "decode_step", "decode_tokens", "mtp_step", "mtp_logits"):
         assert any(g.startswith(f"{entry}.") for g in graphs), (entry, graphs)
     assert "mtp_step.mtp.0" in graphs and "decode_step.layers.1,3" in graphs
-    # a chunk's start position is specialized on by Dynamo: chunks run eagerly rather than compile per position
-    assert not any(g.startswith("extend") for g in graphs)
+    assert "extend.layers.1,3" in graphs and "extend.head" in graphs
+
+
+def test_chunks_at_every_later_position_reuse_the_compiled_chunk_graphs() -> None:
+    """A prefill in pieces: the first piece (start 0) and the second (any other start: it becomes symbolic)
+    compile; every later piece of that length reuses them (Dynamo compiles no new frame), all bitwise equal to
+    the eager model's."""
+    model = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=5).eval()
+    optimized = v4compile.optimize(model, backend="reference", inductor=False)
+    ids = torch.randint(0, model.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(1))
+    eager_cache, cache = model.new_cache(1), model.new_cache(1)
+    for start in range(0, 512, 128):
+        if start == 256:
+            compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            graphs = _graphs(optimized)
+        with torch.no_grad():
+            want = model.extend_hidden(ids[:, start : start + 128], start, eager_cache)
+            got = optimized.extend_hidden(ids[:, start : start + 128], start, cache)
+        assert torch.equal(got, want), start
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled and _graphs(optimized) == graphs
+    assert {g.split("-")[0] for g in graphs} == {"extend_hidden.layers.0", "extend_hidden.layers.1,3",
+                                                 "extend_hidden.layers.2"}
 
 
 def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.fixture(scope="module")
+def served() -> tuple[v4compile.DeepSeekV4, v4compile.OptimizedModel]:
+    """A model and its optimized form shared by the engine tests (their compiled regions too)."""
+    model = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny", max_seq_len=256), seed=3).eval()
+    return model, v4compile.optimize(model, backend="reference", inductor=False)
+
+
 @pytest.mark.parametrize("mode", ["prefix hits", "mtp", "hisparse"])
-def test_the_engine_serves_the_optimized_model_token_for_token(mode: str) -> None:
+def test_the_engine_serves_the_optimized_model_token_for_token(
+        mode: str, served: tuple[v4compile.DeepSeekV4, v4compile.OptimizedModel]) -> None:
     """Two turns of three conversations (the second turn hits the prefix cache): the optimized model's tokens are
-    the eager model's, with MTP speculation and with HiSparse's host tier too."""
+    the eager model's, with MTP speculation and with HiSparse's host tier too; prefill pieces run compiled."""
     from v4compile.runtime.hisparse import min_hot_entries, slot_bytes
 
-    model = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny", max_seq_len=256), seed=3).eval()
+    model, optimized = served
     options = {"max_batch": 3, "decode_buckets": (3,), "max_seq_len": 256}
     if mode == "hisparse":
         options["hisparse_budget"] = min_hot_entries(3, model.config.index_topk) * slot_bytes(model.config)
@@ -92,11 +120,11 @@ def test_the_engine_serves_the_optimized_model_token_for_token(mode: str) -> Non
         again = engine.generate(second, 4, mtp=mode == "mtp")
         return [r.tokens for r in outs + again], [r.cache.cached_tokens for r in again]
 
-    optimized = v4compile.optimize(model, backend="reference", inductor=False)
     want, want_hits = conversation(model)
     got, hits = conversation(optimized)
     assert got == want and hits == want_hits and max(hits) > 0
     graphs = _graphs(optimized)
+    assert "extend_hidden.layers.1,3" in graphs, graphs
     if mode == "mtp":
         assert "decode_tokens.layers.1,3" in graphs and "mtp_step.mtp.0" in graphs, graphs
     else:
@@ -153,7 +181,7 @@ def test_one_compile_serves_every_decode_batch(monkeypatch: pytest.MonkeyPatch) 
     assert unknown == []
     dynamic = _rewrites(optimized)
 
-    monkeypatch.setattr(regions, "mark_batch_dynamic", lambda args, kwargs: None)
+    monkeypatch.setattr(regions, "mark_dynamic_dims", lambda args, kwargs, chunk=False: None)
     static = v4compile.optimize(model, backend="reference", inductor=False, options=options)
     _decode(static, model, 2)
     assert _rewrites(static) == {g: r for g, r in dynamic.items() if g in _rewrites(static)}

@@ -92,11 +92,11 @@ def _logged(entry: str, compiled: Any, manager: PassManager) -> Any:
 
 ENTRY_POINTS = ("forward", "hidden_states", "extend", "extend_hidden", "decode_step", "decode_tokens", "mtp_step",
                 "mtp_logits", "logits")
-"""The model methods an optimized model runs (with regions, compiled, but for ``CHUNK_CALLS``)."""
+"""The model methods an optimized model runs (with regions, compiled)."""
 CHUNK_CALLS = ("extend", "extend_hidden")
-"""Run eagerly, like ``mtp_step(start=...)``: a chunk's start position is a Python int that Dynamo specializes on,
-so compiling them would compile every region once per chunk position (and a serving prefill meets many) until the
-sequence dimension is dynamic."""
+"""Calls that continue a cache from a start position, like ``mtp_step(start=...)``: their regions compile with the
+start and the chunk length dynamic (``Regions.installed(chunk=True)``), so a serving prefill's many pieces share
+two graphs per region (start 0, and any other start)."""
 WHOLE_GRAPH_ENTRIES = ("forward", "decode_step", "hidden_states", "mtp_logits")
 """The entry points compiled as whole graphs (``regions=False``); the others then run eagerly."""
 
@@ -139,9 +139,7 @@ class OptimizedModel:
             return self.model if name == "forward" else getattr(self.model, name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            if name in CHUNK_CALLS or kwargs.get("start") is not None:
-                return method()(*args, **kwargs)
-            with regions.installed():
+            with regions.installed(chunk=name in CHUNK_CALLS or kwargs.get("start") is not None):
                 return method()(*args, **kwargs)
 
         return call

@@ -70,26 +70,30 @@ class Regions:
             groups.setdefault(kind_of(block), []).append(i)
         self.kinds = {f"layers.{span(indices)}": indices for indices in groups.values()}
         name_of = {i: name for name, indices in self.kinds.items() for i in indices}
-        self.blocks = [_named(f"compiled {name_of[i]}", name_of[i], compile_fn(block._call_impl), scoped=True)
+        self._chunk = False
+        self.blocks = [self._named(f"compiled {name_of[i]}", name_of[i], compile_fn(block._call_impl), scoped=True)
                        for i, block in enumerate(model.layers)]
-        self.head = _named("compiled head", "head", compile_fn(model.logits), scoped=False)
+        self.head = self._named("compiled head", "head", compile_fn(model.logits), scoped=False)
         mtp = compile_fn(model._mtp)
 
         def mtp_region(hidden: torch.Tensor, next_ids: torch.Tensor, k: int, *args: Any, **kwargs: Any) -> Any:
-            mark_batch_dynamic((hidden, next_ids, *args), kwargs)
-            with progress.region(f"mtp.{k}"), _only_marked_dynamic():
+            mark_dynamic_dims((hidden, next_ids, *args), kwargs, self._chunk)
+            with progress.region(f"mtp.{k}"), _dynamic_settings(self._chunk):
                 return mtp(hidden, next_ids, k, *args, **kwargs)
 
         self.mtp = mtp_region
 
     @contextmanager
-    def installed(self) -> Iterator[None]:
+    def installed(self, chunk: bool = False) -> Iterator[None]:
         """While inside, the model's blocks, head and MTP steps run their compiled regions (re-entrant; one thread
-        at a time: a call of the plain model from another thread meanwhile would run them too)."""
+        at a time: a call of the plain model from another thread meanwhile would run them too). ``chunk``: the
+        call continues a cache from a start position (``extend``, ``mtp_step(start=...)``), whose regions compile
+        with the start and the chunk length dynamic (``mark_dynamic_dims``)."""
         with self._lock:
             self._depth += 1
             model = self.model
             if self._depth == 1:
+                self._chunk = chunk
                 for block, compiled in zip(model.layers, self.blocks, strict=True):
                     block._compiled_call_impl = compiled
                 model.logits, model._mtp = self.head, self.mtp
@@ -103,12 +107,33 @@ class Regions:
                     del model.logits, model._mtp
 
 
-def mark_batch_dynamic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Marks the batch dimension dynamic in a region call: dim 0 of every tensor argument (inside caches, routing
-    records and lists too) whose first size is the first argument's, when that batch is above 1. One graph then
-    serves every batch of 2 and more (batch 1 is its own graph: Dynamo specialises sizes of 1)."""
+    def _named(self, what: str, region: str, compiled: Callable[..., Any], scoped: bool) -> Callable[..., Any]:
+        """``compiled`` run inside ``progress.region(region, scoped)``, so its graphs are named (and located) by
+        it, with the dims ``mark_dynamic_dims`` picks dynamic."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            mark_dynamic_dims(args, kwargs, self._chunk)
+            with progress.region(region, scoped), _dynamic_settings(self._chunk):
+                return compiled(*args, **kwargs)
+
+        call.__qualname__ = call.__name__ = what
+        return call
+
+
+def mark_dynamic_dims(args: tuple[Any, ...], kwargs: dict[str, Any], chunk: bool = False) -> None:
+    """Marks the dims of a region call that vary in serving dynamic. The batch: dim 0 of every tensor argument
+    (inside caches, routing records and lists too) whose first size is the first argument's, when that batch is
+    above 1, so one graph serves every batch of 2 and more (batch 1 is its own graph: Dynamo specialises sizes of
+    1). In a ``chunk`` call also the sequence: dim 1 of the leading tensor arguments (the streams and the ids),
+    so one graph serves every chunk length."""
     first = args[0] if args else None
-    if not isinstance(first, torch.Tensor) or first.dim() == 0 or first.shape[0] < 2:
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        return
+    if chunk:
+        for value in args[:2]:
+            if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[1] > 1:
+                torch._dynamo.maybe_mark_dynamic(value, 1)
+    if first.shape[0] < 2:
         return
     batch = first.shape[0]
 
@@ -127,20 +152,9 @@ def mark_batch_dynamic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     mark(list(kwargs.values()))
 
 
-def _only_marked_dynamic() -> Any:
-    """Dynamo's settings for a region call: the marked batch dimension is dynamic and every other size static
-    (no automatic dynamic shapes on a recompile, which would give the passes sizes they cannot rewrite for)."""
-    return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
-
-
-def _named(what: str, region: str, compiled: Callable[..., Any], scoped: bool) -> Callable[..., Any]:
-    """``compiled`` run inside ``progress.region(region, scoped)``, so its graphs are named (and located) by it,
-    with the batch dimension dynamic (``mark_batch_dynamic``)."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        mark_batch_dynamic(args, kwargs)
-        with progress.region(region, scoped), _only_marked_dynamic():
-            return compiled(*args, **kwargs)
-
-    call.__qualname__ = call.__name__ = what
-    return call
+def _dynamic_settings(chunk: bool) -> Any:
+    """Dynamo's settings for a region call. Outside chunks only the marked dims are dynamic (no automatic dynamic
+    shapes on a recompile, which would give the passes sizes they cannot rewrite for). In a chunk the start
+    position is a Python int Dynamo specialises on: automatic dynamic shapes let the second start position
+    compile a graph with it symbolic, which every later position reuses."""
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=chunk)

@@ -22,13 +22,16 @@ END = 2**63 - 1
 
 
 def _last_dim_prefix(node: fx.Node, ndim: int) -> int | None:
-    """k when ``node`` is ``x[..., :k]`` on the last dim, else None."""
+    """k when ``node`` is ``x[..., :k]`` on the last dim, else None; a NoMatch when k is only known at run time
+    (the select kernel is built for one k)."""
     if not is_op(node, aten.slice):
         return None
     args = list(node.args) + [0, 0, END][len(node.args) - 1:]
     dim, start, end = args[1] % ndim, args[2] or 0, args[3]
     if dim != ndim - 1 or start != 0 or end is None:
         return None
+    if isinstance(end, fx.Node):
+        raise NoMatch(f"the top-k length is a dynamic size ({end.name}), known only at run time")
     return int(end)
 
 
