@@ -18,9 +18,11 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/v4compile demo
 
+# two workers, a test file each at a time (its module fixtures stay in one process): a single pytest process keeps
+# one of the two cores busy, mostly in Inductor's Python code generation
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

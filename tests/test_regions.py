@@ -71,9 +71,10 @@ def test_every_entry_point_runs_compiled_regions_with_the_models_results(tiny_mo
 def test_chunks_at_every_later_position_reuse_the_compiled_chunk_graphs() -> None:
     """A prefill in pieces: the first piece (start 0) and the second (any other start: it becomes symbolic)
     compile; every later piece of that length reuses them (Dynamo compiles no new frame), all bitwise equal to
-    the eager model's."""
+    the eager model's. Planned for a GPU, the chunk graphs (a dynamic length) stay on one stream and say why."""
     model = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=5).eval()
-    optimized = v4compile.optimize(model, backend="reference", inductor=False)
+    optimized = v4compile.optimize(model, backend="reference", inductor=False,
+                                   options={"stream_schedule": {"target": "sm90"}})
     ids = torch.randint(0, model.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(1))
     eager_cache, cache = model.new_cache(1), model.new_cache(1)
     for start in range(0, 512, 128):
@@ -87,6 +88,9 @@ def test_chunks_at_every_later_position_reuse_the_compiled_chunk_graphs() -> Non
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled and _graphs(optimized) == graphs
     assert {g.split("-")[0] for g in graphs} == {"extend_hidden.layers.0", "extend_hidden.layers.1,3",
                                                  "extend_hidden.layers.2"}
+    for report in optimized.reports():
+        streams = next(p for p in report.passes if p.name == "stream_schedule")
+        assert not streams.matches and "dynamic size in dim 1" in streams.near_misses[0].reason, report.graph
 
 
 def _ids(n: int, seed: int) -> list[int]:

@@ -133,6 +133,13 @@ class StreamSchedule(GraphPass):
         region borders cost Inductor fusions."""
         if not self.options.get("target") and _cuda_target(gm) is None:
             return "graph on the CPU: no CUDA streams (give the target option to plan for a GPU)"
+        for node in gm.graph.nodes:
+            dims = shape(node) if node.op == "placeholder" else None
+            dynamic = [d for d, size in enumerate(dims or ()) if d and not isinstance(size, int)]
+            if dynamic:
+                return (f"input {node.name} has a dynamic size in dim {dynamic[0]} (a chunk's length): stream "
+                        "regions compile with a dynamic batch only (Inductor failed on a region of a chunk graph "
+                        "on the H100)")
         limit = int(self.options.get("max_rows", 1024))
         rows = max((_product_rows(n) for n in gm.graph.nodes), default=0)
         if rows > limit:
