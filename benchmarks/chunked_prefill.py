@@ -33,12 +33,13 @@ def _sync(device: str) -> None:
 
 def run(fn: Any, model: v4compile.DeepSeekV4, ids: torch.Tensor, piece: int, device: str,
         ) -> tuple[list[float], list[torch.Tensor]]:
-    """Seconds per piece and the streams of each piece's last position, for the prompt ``ids`` [1, T] then a
-    remainder piece of ``piece // 2 + 1`` tokens."""
-    cache = model.new_cache(1, ids.shape[1] + piece)
+    """Seconds per piece and the streams of each piece's last position: ``ids`` [1, T] in whole pieces, then its
+    last ``piece // 2 + 1`` tokens as a remainder piece."""
+    remainder = piece // 2 + 1
+    cache = model.new_cache(1, ids.shape[1])
     times, outs = [], []
-    bounds = [(s, s + piece) for s in range(0, ids.shape[1] - piece, piece)]
-    bounds.append((bounds[-1][1], bounds[-1][1] + piece // 2 + 1))
+    bounds = [(s, s + piece) for s in range(0, ids.shape[1] - remainder, piece)]
+    bounds.append((ids.shape[1] - remainder, ids.shape[1]))
     for start, stop in bounds:
         _sync(device)
         t0 = time.perf_counter()
@@ -62,8 +63,11 @@ def main() -> None:
     parser.add_argument("--variants", default="eager,optimized", help="comma-separated: eager, optimized")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    model = build_slice(args.layers, args.tokens + 2 * args.piece, args.small, args.experts, args.device)
-    ids = torch.randint(0, model.config.vocab_size, (1, args.tokens + args.piece), device=args.device,
+    if args.piece < 2 or args.tokens % args.piece or args.tokens < 3 * args.piece:
+        parser.error(f"--tokens ({args.tokens}) must be a multiple of --piece ({args.piece}), at least three pieces")
+    length = args.tokens + args.piece // 2 + 1
+    model = build_slice(args.layers, length + 64, args.small, args.experts, args.device)
+    ids = torch.randint(0, model.config.vocab_size, (1, length), device=args.device,
                         generator=torch.Generator(args.device).manual_seed(0))
     optimized = v4compile.optimize(model)
     rows, reference = [], None
@@ -77,16 +81,17 @@ def main() -> None:
             continue
         times, outs = run(fn, model, ids, args.piece, args.device)
         later = statistics.median(times[2:-1])
-        diff = 0.0 if reference is None else max((a - b).abs().max().item() / b.abs().max().item()
-                                                 for a, b in zip(outs, reference, strict=True))
-        reference = reference or outs
+        diff = None if reference is None else max((a - b).abs().max().item() / b.abs().max().item()
+                                                  for a, b in zip(outs, reference, strict=True))
+        if reference is None:
+            reference = outs
         graphs = len(optimized.reports()) if name == "optimized" else 0
         row = {"variant": name, "first_s": times[0], "second_s": times[1], "remainder_s": times[-1],
                "later_ms": later * 1e3, "tokens_per_s": args.piece / later, "graphs": graphs, "max_diff": diff,
                "piece_s": times}
         rows.append(row)
         print(f"| {name} | {times[0]:.2f} | {times[1]:.2f} | {times[-1]:.2f} | {later * 1e3:.2f} | "
-              f"{args.piece / later:.0f} | {graphs} | {diff:.3g} |", flush=True)
+              f"{args.piece / later:.0f} | {graphs} | {'-' if diff is None else f'{diff:.3g}'} |", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"device": args.device, "args": {k: str(v) for k, v in vars(args).items()},
                                         "graphs": [r.graph for r in optimized.reports()], "rows": rows}, indent=1))

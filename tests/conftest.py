@@ -20,13 +20,10 @@ TEST_CACHE = Path(__file__).resolve().parents[1] / ".test-cache"
 
 def pytest_configure(config: pytest.Config) -> None:
     """Compiled artifacts (the kernel registry's sources, Inductor's and Triton's caches) go to the project's own
-    ``.test-cache``, never the user's caches; under ``make test``'s workers each runs on one thread."""
+    ``.test-cache``, never the user's caches."""
     for variable, folder in (("V4COMPILE_CACHE", "kernels"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
                              ("TRITON_CACHE_DIR", "triton")):
         os.environ[variable] = str(TEST_CACHE / folder)
-    if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
-        # `make test` runs one worker a core: a worker's own intra-op threads would only contend with the other's
-        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -95,8 +95,9 @@ ENTRY_POINTS = ("forward", "hidden_states", "extend", "extend_hidden", "decode_s
 """The model methods an optimized model runs (with regions, compiled)."""
 CHUNK_CALLS = ("extend", "extend_hidden")
 """Calls that continue a cache from a start position, like ``mtp_step(start=...)``: their regions compile with the
-start and the chunk length dynamic (``Regions.installed(chunk=True)``), so a serving prefill's many pieces share
-two graphs per region (start 0, and any other start)."""
+start and the chunk length dynamic (``Regions.installed(chunk=True)``), so a serving prefill's many pieces share a
+few graphs per region (start 0, other starts, and a piece that closes no C128 block or starts off a block
+boundary)."""
 WHOLE_GRAPH_ENTRIES = ("forward", "decode_step", "hidden_states", "mtp_logits")
 """The entry points compiled as whole graphs (``regions=False``); the others then run eagerly."""
 

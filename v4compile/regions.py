@@ -11,6 +11,7 @@ installed on the model only while an optimized entry point runs, so the model it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator
@@ -92,20 +93,20 @@ class Regions:
         with self._lock:
             self._depth += 1
             model = self.model
+            outer, self._chunk = self._chunk, chunk
             if self._depth == 1:
-                self._chunk = chunk
                 for block, compiled in zip(model.layers, self.blocks, strict=True):
                     block._compiled_call_impl = compiled
                 model.logits, model._mtp = self.head, self.mtp
             try:
                 yield
             finally:
+                self._chunk = outer
                 self._depth -= 1
                 if self._depth == 0:
                     for block in model.layers:
                         block._compiled_call_impl = None
                     del model.logits, model._mtp
-
 
     def _named(self, what: str, region: str, compiled: Callable[..., Any], scoped: bool) -> Callable[..., Any]:
         """``compiled`` run inside ``progress.region(region, scoped)``, so its graphs are named (and located) by
@@ -153,8 +154,25 @@ def mark_dynamic_dims(args: tuple[Any, ...], kwargs: dict[str, Any], chunk: bool
 
 
 def _dynamic_settings(chunk: bool) -> Any:
-    """Dynamo's settings for a region call. Outside chunks only the marked dims are dynamic (no automatic dynamic
-    shapes on a recompile, which would give the passes sizes they cannot rewrite for). In a chunk the start
-    position is a Python int Dynamo specialises on: automatic dynamic shapes let the second start position
-    compile a graph with it symbolic, which every later position reuses."""
-    return torch._dynamo.config.patch(automatic_dynamic_shapes=chunk)
+    """Dynamo's settings for a region call: only the marked dims are dynamic (no automatic dynamic shapes on a
+    recompile, which would make whatever size differed from an earlier compile symbolic, a cache's too, and give
+    the passes sizes they cannot rewrite for). In a chunk also the start position, a Python int Dynamo otherwise
+    specialises on (the blocks take it as a keyword, the MTP step as a parameter); a start of 0 stays its own
+    graph (Dynamo specialises 0 and 1), so every other start shares one."""
+    if not chunk:
+        return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+    return _patched((torch._dynamo.config, {"automatic_dynamic_shapes": False}),
+                    (torch.compiler.config, {"dynamic_sources": CHUNK_START_SOURCES}))
+
+
+CHUNK_START_SOURCES = "L['kwargs']['start'],L['start']"
+"""Dynamo's names for a chunk's start int in the frames regions compile: a block's ``_call_impl(*args, **kwargs)``
+and the MTP step's ``_mtp(..., start=...)``."""
+
+
+@contextmanager
+def _patched(*patches: tuple[Any, dict[str, Any]]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for config, values in patches:
+            stack.enter_context(config.patch(**values))
+        yield

@@ -40,7 +40,7 @@ import torch
 from torch import fx
 
 from ..targets import DEFAULT_GPU_TARGET, target_name
-from .base import GraphPass, NoMatch, Rewrite, RewriteContext, shape
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, SymDim, shape
 from .streams.dag import META_KEY, Cost, bases, dependency_graph, is_compute, is_view, node_cost, node_values
 from .streams.plan import (
     BranchPlan,
@@ -133,13 +133,10 @@ class StreamSchedule(GraphPass):
         region borders cost Inductor fusions."""
         if not self.options.get("target") and _cuda_target(gm) is None:
             return "graph on the CPU: no CUDA streams (give the target option to plan for a GPU)"
-        for node in gm.graph.nodes:
-            dims = shape(node) if node.op == "placeholder" else None
-            dynamic = [d for d, size in enumerate(dims or ()) if d and not isinstance(size, int)]
-            if dynamic:
-                return (f"input {node.name} has a dynamic size in dim {dynamic[0]} (a chunk's length): stream "
-                        "regions compile with a dynamic batch only (Inductor failed on a region of a chunk graph "
-                        "on the H100)")
+        dynamic = _beyond_the_batch(gm)
+        if dynamic:
+            return (f"{dynamic}: stream regions compile with a dynamic batch only (Inductor failed on a region of "
+                    "a chunk graph on the H100)")
         limit = int(self.options.get("max_rows", 1024))
         rows = max((_product_rows(n) for n in gm.graph.nodes), default=0)
         if rows > limit:
@@ -200,3 +197,18 @@ def _product_rows(node: fx.Node) -> int:
     for size in sizes[:-1]:
         rows *= size if isinstance(size, int) else (size.hint or 0)
     return rows
+
+
+def _beyond_the_batch(gm: fx.GraphModule) -> str | None:
+    """What of ``gm``'s inputs is dynamic beyond the batch (dim 0), e.g. a chunk's length or start, or None."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    batch = [dims[0] for n in placeholders if (dims := shape(n)) and isinstance(dims[0], SymDim)]
+    for node in placeholders:
+        beyond = [d for d, size in enumerate(shape(node) or ()) if d and isinstance(size, SymDim)]
+        if beyond:
+            return f"input {node.name} has a dynamic size in dim {beyond[0]}"
+    for node in placeholders:
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) and not any(b == val for b in batch):
+            return f"input {node.name} is a dynamic value other than the batch size"
+    return None
