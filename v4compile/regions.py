@@ -11,7 +11,6 @@ installed on the model only while an optimized entry point runs, so the model it
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator
@@ -153,26 +152,21 @@ def mark_dynamic_dims(args: tuple[Any, ...], kwargs: dict[str, Any], chunk: bool
     mark(list(kwargs.values()))
 
 
-def _dynamic_settings(chunk: bool) -> Any:
+@contextmanager
+def _dynamic_settings(chunk: bool) -> Iterator[None]:
     """Dynamo's settings for a region call: only the marked dims are dynamic (no automatic dynamic shapes on a
     recompile, which would make whatever size differed from an earlier compile symbolic, a cache's too, and give
     the passes sizes they cannot rewrite for). In a chunk also the start position, a Python int Dynamo otherwise
     specialises on (the blocks take it as a keyword, the MTP step as a parameter); a start of 0 stays its own
     graph (Dynamo specialises 0 and 1), so every other start shares one."""
-    if not chunk:
-        return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
-    return _patched((torch._dynamo.config, {"automatic_dynamic_shapes": False}),
-                    (torch.compiler.config, {"dynamic_sources": CHUNK_START_SOURCES}))
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        if not chunk:
+            yield
+            return
+        with torch.compiler.config.patch(dynamic_sources=CHUNK_START_SOURCES):
+            yield
 
 
 CHUNK_START_SOURCES = "L['kwargs']['start'],L['start']"
 """Dynamo's names for a chunk's start int in the frames regions compile: a block's ``_call_impl(*args, **kwargs)``
 and the MTP step's ``_mtp(..., start=...)``."""
-
-
-@contextmanager
-def _patched(*patches: tuple[Any, dict[str, Any]]) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for config, values in patches:
-            stack.enter_context(config.patch(**values))
-        yield
