@@ -5,7 +5,10 @@ registry's, all under one temporary directory: cold), the second with the direct
 process builds the model (random weights drawn on the device), optimizes it, and times the first decode step at
 batch 1 over a ``--context``-token cache (optimize is lazy, so this is capture + passes + Inductor + kernel
 builds + the step), then the first step of a second decode bucket (batch 16: the graph every batch of 2 and more
-shares compiles here) and of a further one (batch 64: served by that graph, no compile).
+shares compiles here) and of a further one (batch 64: served by that graph, no compile). Then the first prefill
+at each of ``--lengths`` prompt lengths (batch 1): the first length compiles its own graphs, the second the graphs
+with the sequence dynamic, and the later lengths reuse them unless the model's code tells their shape apart (a
+remainder of 1 or 0 after the compressor's blocks, fewer blocks than the top-k, ...).
 
     PYTHONPATH=$PWD python3 benchmarks/compile_time.py --experts 16 64 256            # H200: the 4-layer slice
     PYTHONPATH=$PWD python3 benchmarks/compile_time.py --full --experts 256 --inter 512    # all 43 layers + MTP
@@ -71,6 +74,16 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
             torch.cuda.synchronize()
         result[key] = time.perf_counter() - t0
         del cache
+    result["prefill_s"] = []
+    for length in args.lengths:
+        ids = torch.randint(0, model.config.vocab_size, (1, length), device=args.device)
+        cache = model.new_cache(1, max(args.lengths) + 64)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            optimized(ids, cache=cache)
+        if cuda:
+            torch.cuda.synchronize()
+        result["prefill_s"].append(time.perf_counter() - t0)
     return result
 
 
@@ -80,7 +93,8 @@ def run_row(args: argparse.Namespace, experts: int) -> dict[str, object]:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{root}/inductor", "TRITON_CACHE_DIR": f"{root}/triton",
                "V4COMPILE_CACHE": f"{root}/kernels"}
         argv = [sys.executable, __file__, "--worker", "--experts", str(experts), "--layers", str(args.layers),
-                "--context", str(args.context), "--device", args.device, "--inter", str(args.inter or 0)]
+                "--context", str(args.context), "--device", args.device, "--inter", str(args.inter or 0),
+                "--lengths", *map(str, args.lengths)]
         argv += ["--mtp"] * args.mtp + ["--tiny"] * args.tiny + ["--whole-graph"] * args.whole_graph
         argv += ["--full"] * args.full
         row: dict[str, object] = {"experts": experts}
@@ -105,6 +119,8 @@ def main() -> None:
     parser.add_argument("--mtp", action="store_true", help="add the MTP block (the full Flash layer pattern)")
     parser.add_argument("--inter", type=int, default=0, help="moe_inter_dim override (0: Flash's 2048)")
     parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--lengths", type=int, nargs="+", help="prompt lengths to prefill after decode, in order "
+                        "(default 1024 1500 1777 2900; tiny: 200 301 333 450)")
     parser.add_argument("--tiny", action="store_true", help="the tiny preset instead of the Flash slice")
     parser.add_argument("--full", action="store_true",
                         help="the full Flash layer pattern (43 layers, its 3 hash layers, MTP) instead of the slice")
@@ -115,6 +131,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not args.lengths:
+        args.lengths = [200, 301, 333, 450] if args.tiny else [1024, 1500, 1777, 2900]
     if args.worker:
         print(json.dumps(worker(args)))
         return
@@ -139,6 +157,11 @@ def main() -> None:
             keys = ("first_token_s", "next_bucket_s", "further_bucket_s")
             cells += [f"{r[k]:.1f}" for k in keys] if ok else ["error"] * 3
         print(f"| {experts} | " + " | ".join(cells) + " |", flush=True)
+        for run in ("cold", "warm"):
+            if "prefill_s" in row.get(run, {}):
+                seconds = ", ".join(f"{length}: {t:.1f}" for length, t in zip(args.lengths, row[run]["prefill_s"],
+                                                                             strict=True))
+                print(f"  {run}, first prefill at each prompt length (tokens: s): {seconds}", flush=True)
         for run in ("cold", "warm"):
             if "error" in row.get(run, {}):
                 print(f"{run} error: {row[run]['error']}", file=sys.stderr)

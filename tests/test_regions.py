@@ -4,6 +4,8 @@ stays eager."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -99,6 +101,40 @@ def test_chunks_at_every_later_position_reuse_the_compiled_chunk_graphs() -> Non
     assert any("top-k length is a dynamic size" in reason for reason in topk), topk
 
 
+def _tensors(value: object) -> list[torch.Tensor]:
+    """Every tensor of a cache's layers (dataclasses of tensors, nested), in field order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list):
+        return [t for item in value for t in _tensors(item)]
+    if dataclasses.is_dataclass(value):
+        return [t for f in dataclasses.fields(value) for t in _tensors(getattr(value, f.name))]
+    return []
+
+
+def test_prompt_lengths_after_the_first_share_graphs_with_the_sequence_dynamic() -> None:
+    """The first prefill length compiles graphs for that length; later lengths run graphs with the sequence
+    dynamic, compiled once per shape class the model's code tells apart (a remainder of 1 or of 0 after the
+    compressor's blocks, no complete C128 block yet, ...), so most new lengths compile nothing; every length
+    bitwise equal to the eager model's logits and cache."""
+    model = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=5).eval()
+    optimized = v4compile.optimize(model, backend="reference", inductor=False)
+    generator = torch.Generator().manual_seed(3)
+    compiled = {}
+    for length in (200, 301, 302, 304, 303, 305, 310, 333, 450, 511):
+        ids = torch.randint(0, model.config.vocab_size, (2, length), generator=generator)
+        cache, eager_cache = model.new_cache(2), model.new_cache(2)
+        with torch.no_grad():
+            assert torch.equal(optimized(ids, cache=cache), model(ids, cache=eager_cache)), length
+        assert all(torch.equal(a, b) for a, b in zip(_tensors(cache.layers), _tensors(eager_cache.layers),
+                                                    strict=True)), length
+        compiled[length] = len(_graphs(optimized))
+    kinds = 4  # three kinds of block and the head
+    assert compiled[200] == kinds and _graphs(optimized)[0] == "prefill.layers.0"
+    assert compiled[304] <= compiled[200] + 3 * kinds
+    assert compiled[511] == compiled[304], compiled
+
+
 def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -191,7 +227,7 @@ def test_one_compile_serves_every_decode_batch(monkeypatch: pytest.MonkeyPatch) 
     assert unknown == []
     dynamic = _rewrites(optimized)
 
-    monkeypatch.setattr(regions, "mark_dynamic_dims", lambda args, kwargs, chunk=False: None)
+    monkeypatch.setattr(regions, "mark_dynamic_dims", lambda args, kwargs, sequence=False: None)
     static = v4compile.optimize(model, backend="reference", inductor=False, options=options)
     _decode(static, model, 2)
     assert _rewrites(static) == {g: r for g, r in dynamic.items() if g in _rewrites(static)}

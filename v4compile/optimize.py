@@ -95,9 +95,14 @@ ENTRY_POINTS = ("forward", "hidden_states", "extend", "extend_hidden", "decode_s
 """The model methods an optimized model runs (with regions, compiled)."""
 CHUNK_CALLS = ("extend", "extend_hidden")
 """Calls that continue a cache from a start position, like ``mtp_step(start=...)``: their regions compile with the
-start and the chunk length dynamic (``Regions.installed(chunk=True)``), so a serving prefill's many pieces share a
-few graphs per region (start 0, other starts, and a piece that closes no C128 block or starts off a block
+start and the chunk length dynamic (``Regions.installed(sequence=True)``), so a serving prefill's many pieces share
+a few graphs per region (start 0, other starts, and a piece that closes no C128 block or starts off a block
 boundary)."""
+SEQUENCE_CALLS = ("forward", "hidden_states", "mtp_logits", "logits")
+"""Full-sequence calls (a prefill from position 0, logits for training or scoring): the first length compiles graphs
+for that length (a benchmark's or a fixed workload's prefill keeps its static graphs and every kernel that needs a
+static size); any other length runs graphs with the sequence dynamic, compiled on the first such call, so a new
+prompt length costs seconds, not a compile."""
 WHOLE_GRAPH_ENTRIES = ("forward", "decode_step", "hidden_states", "mtp_logits")
 """The entry points compiled as whole graphs (``regions=False``); the others then run eagerly."""
 
@@ -113,6 +118,7 @@ class OptimizedModel:
         self.manager = manager
         self.inductor = inductor
         self._compiled: dict[str, Any] = {}
+        self._first_length: dict[str, int] = {}
         self.regions: Regions | None = None
         if regions:
             backend = make_backend(manager, inductor=inductor)
@@ -140,10 +146,19 @@ class OptimizedModel:
             return self.model if name == "forward" else getattr(self.model, name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            with regions.installed(chunk=name in CHUNK_CALLS or kwargs.get("start") is not None):
+            with regions.installed(sequence=name in CHUNK_CALLS or kwargs.get("start") is not None
+                                   or self._later_length(name, args, kwargs)):
                 return method()(*args, **kwargs)
 
         return call
+
+    def _later_length(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether a full-sequence call (``SEQUENCE_CALLS``) has a length other than the first one it was called
+        with (its ids or streams lead its arguments, the sequence in dim 1)."""
+        first = args[0] if args else kwargs.get("input_ids", kwargs.get("hidden", kwargs.get("streams")))
+        if name not in SEQUENCE_CALLS or not isinstance(first, torch.Tensor) or first.dim() < 2:
+            return False
+        return self._first_length.setdefault(name, first.shape[1]) != first.shape[1]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward (logits; with ``cache=`` a prefill)."""

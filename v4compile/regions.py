@@ -70,29 +70,29 @@ class Regions:
             groups.setdefault(kind_of(block), []).append(i)
         self.kinds = {f"layers.{span(indices)}": indices for indices in groups.values()}
         name_of = {i: name for name, indices in self.kinds.items() for i in indices}
-        self._chunk = False
+        self._sequence = False
         self.blocks = [self._named(f"compiled {name_of[i]}", name_of[i], compile_fn(block._call_impl), scoped=True)
                        for i, block in enumerate(model.layers)]
         self.head = self._named("compiled head", "head", compile_fn(model.logits), scoped=False)
         mtp = compile_fn(model._mtp)
 
         def mtp_region(hidden: torch.Tensor, next_ids: torch.Tensor, k: int, *args: Any, **kwargs: Any) -> Any:
-            mark_dynamic_dims((hidden, next_ids, *args), kwargs, self._chunk)
-            with progress.region(f"mtp.{k}"), _dynamic_settings(self._chunk):
+            mark_dynamic_dims((hidden, next_ids, *args), kwargs, self._sequence)
+            with progress.region(f"mtp.{k}"), _dynamic_settings(self._sequence):
                 return mtp(hidden, next_ids, k, *args, **kwargs)
 
         self.mtp = mtp_region
 
     @contextmanager
-    def installed(self, chunk: bool = False) -> Iterator[None]:
+    def installed(self, sequence: bool = False) -> Iterator[None]:
         """While inside, the model's blocks, head and MTP steps run their compiled regions (re-entrant; one thread
-        at a time: a call of the plain model from another thread meanwhile would run them too). ``chunk``: the
-        call continues a cache from a start position (``extend``, ``mtp_step(start=...)``), whose regions compile
-        with the start and the chunk length dynamic (``mark_dynamic_dims``)."""
+        at a time: a call of the plain model from another thread meanwhile would run them too). ``sequence``: the
+        regions compile with the sequence length dynamic and, where the call continues a cache from a start
+        position (``extend``, ``mtp_step(start=...)``), the start too (``mark_dynamic_dims``)."""
         with self._lock:
             self._depth += 1
             model = self.model
-            outer, self._chunk = self._chunk, chunk
+            outer, self._sequence = self._sequence, sequence
             if self._depth == 1:
                 for block, compiled in zip(model.layers, self.blocks, strict=True):
                     block._compiled_call_impl = compiled
@@ -100,7 +100,7 @@ class Regions:
             try:
                 yield
             finally:
-                self._chunk = outer
+                self._sequence = outer
                 self._depth -= 1
                 if self._depth == 0:
                     for block in model.layers:
@@ -112,24 +112,24 @@ class Regions:
         it, with the dims ``mark_dynamic_dims`` picks dynamic."""
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            mark_dynamic_dims(args, kwargs, self._chunk)
-            with progress.region(region, scoped), _dynamic_settings(self._chunk):
+            mark_dynamic_dims(args, kwargs, self._sequence)
+            with progress.region(region, scoped), _dynamic_settings(self._sequence):
                 return compiled(*args, **kwargs)
 
         call.__qualname__ = call.__name__ = what
         return call
 
 
-def mark_dynamic_dims(args: tuple[Any, ...], kwargs: dict[str, Any], chunk: bool = False) -> None:
+def mark_dynamic_dims(args: tuple[Any, ...], kwargs: dict[str, Any], sequence: bool = False) -> None:
     """Marks the dims of a region call that vary in serving dynamic. The batch: dim 0 of every tensor argument
     (inside caches, routing records and lists too) whose first size is the first argument's, when that batch is
     above 1, so one graph serves every batch of 2 and more (batch 1 is its own graph: Dynamo specialises sizes of
-    1). In a ``chunk`` call also the sequence: dim 1 of the leading tensor arguments (the streams and the ids),
-    so one graph serves every chunk length."""
+    1). With ``sequence`` also the sequence: dim 1 of the leading tensor arguments (the streams and the ids), so
+    one graph serves every length."""
     first = args[0] if args else None
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         return
-    if chunk:
+    if sequence:
         for value in args[:2]:
             if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[1] > 1:
                 torch._dynamo.maybe_mark_dynamic(value, 1)
@@ -153,14 +153,14 @@ def mark_dynamic_dims(args: tuple[Any, ...], kwargs: dict[str, Any], chunk: bool
 
 
 @contextmanager
-def _dynamic_settings(chunk: bool) -> Iterator[None]:
+def _dynamic_settings(sequence: bool) -> Iterator[None]:
     """Dynamo's settings for a region call: only the marked dims are dynamic (no automatic dynamic shapes on a
     recompile, which would make whatever size differed from an earlier compile symbolic, a cache's too, and give
-    the passes sizes they cannot rewrite for). In a chunk also the start position, a Python int Dynamo otherwise
-    specialises on (the blocks take it as a keyword, the MTP step as a parameter); a start of 0 stays its own
-    graph (Dynamo specialises 0 and 1), so every other start shares one."""
+    the passes sizes they cannot rewrite for). With the sequence dynamic also a chunk's start position, a Python
+    int Dynamo otherwise specialises on (the blocks take it as a keyword, the MTP step as a parameter); a start of
+    0 stays its own graph (Dynamo specialises 0 and 1), so every other start shares one."""
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-        if not chunk:
+        if not sequence:
             yield
             return
         with torch.compiler.config.patch(dynamic_sources=CHUNK_START_SOURCES):

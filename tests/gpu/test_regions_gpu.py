@@ -1,30 +1,38 @@
 """Compiled regions on the GPU: a prefill in pieces (chunk calls, the sequence and the start dynamic) runs the
-Triton kernels and stays within the passes' tolerance of the eager model, and later pieces compile nothing."""
+Triton kernels, its logits agree with the eager model's within the golden band, and later pieces compile nothing.
+
+The band, not a tight cosine: on the GPU the golden models amplify rounding (discrete top-k and routing choices), and
+Inductor alone, with no v4compile pass, moves the full-sequence logits of tiny-bf16 to a mean row cosine of 0.982
+and an argmax agreement of 0.844 against eager's (``benchmarks/drift_by_pass.py``); the one-call prefill through every
+pass lands at 0.989 / 0.863."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 import v4compile
+from v4compile.golden import Agreement, GoldenFolder
 
 pytestmark = pytest.mark.gpu
 
 
-def test_chunked_prefill_runs_compiled_on_cuda() -> None:
-    model = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=5, device="cuda").eval()
+def test_chunked_prefill_on_cuda_agrees_with_eager_and_reuses_its_graphs(golden_root: Path) -> None:
+    folder = golden_root / "tiny-bf16"
+    model = v4compile.load(folder, device="cuda").eval()
+    ids = GoldenFolder.read(folder).cases[-1].ids.cuda().repeat(1, 2)  # 614 tokens: five pieces of 128
     optimized = v4compile.optimize(model)
-    ids = torch.randint(0, model.config.vocab_size, (1, 512), device="cuda",
-                        generator=torch.Generator("cuda").manual_seed(1))
-    eager_cache, cache = model.new_cache(1), model.new_cache(1)
-    for start in range(0, 512, 128):
-        if start == 256:
-            compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        with torch.no_grad():
-            want = model.extend_hidden(ids[:, start : start + 128], start, eager_cache)
-            got = optimized.extend_hidden(ids[:, start : start + 128], start, cache)
-        cosine = torch.nn.functional.cosine_similarity(got.flatten().float(), want.flatten().float(), dim=0)
-        assert cosine > 0.999, (start, cosine)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled
+    cache = model.new_cache(ids.shape[0])
+    pieces, graphs = [], {}
+    with torch.no_grad():
+        want = model(ids)
+        for start in range(0, ids.shape[1], 128):
+            pieces.append(optimized.extend(ids[:, start : start + 128], start, cache))
+            graphs[start] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    agreement = Agreement.of(torch.cat(pieces, dim=1), want)
+    assert agreement.in_band(), agreement.line()
+    assert graphs[384] == graphs[128], graphs  # the pieces at 256 and 384 reuse the graphs of the one at 128
     kernels = {m.kernel for r in optimized.reports() for m in r.matches}
     assert any(k.startswith("sparse_attention") for k in kernels) and any(k.startswith("mhc_pre") for k in kernels)

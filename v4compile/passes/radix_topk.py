@@ -69,7 +69,9 @@ class RadixTopK(GraphPass):
 
     def _topk(self, node: fx.Node, dims: tuple[int, ...], ctx: RewriteContext) -> Rewrite:
         max_k, min_candidates = self._limits()
-        x, k = node.args[0], int(node.args[1])
+        x, k = node.args[0], node.args[1]
+        if isinstance(k, fx.Node):
+            raise NoMatch(f"the top-k length is a dynamic size ({k.name}), known only at run time")
         dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)) % len(dims)
         largest = node.args[3] if len(node.args) > 3 else node.kwargs.get("largest", True)
         if self.options.get("official_ties"):
