@@ -99,10 +99,13 @@ start and the chunk length dynamic (``Regions.installed(sequence=True)``), so a 
 a few graphs per region (start 0, other starts, and a piece that closes no C128 block or starts off a block
 boundary)."""
 SEQUENCE_CALLS = ("forward", "hidden_states", "mtp_logits", "logits")
-"""Full-sequence calls (a prefill from position 0, logits for training or scoring): the first length compiles graphs
-for that length (a benchmark's or a fixed workload's prefill keeps its static graphs and every kernel that needs a
-static size); any other length runs graphs with the sequence dynamic, compiled on the first such call, so a new
-prompt length costs seconds, not a compile."""
+"""Full-sequence calls (a prefill from position 0, logits for training or scoring): the first length (per entry, with
+and without a cache) compiles graphs for that length, with every kernel that needs a static size; any other length
+runs graphs with the sequence dynamic, compiled at the second length and again only for the few shape classes the
+model's code tells apart, so most new prompt lengths compile nothing. Once those exist, Dynamo tries them first, so
+the first length may run them too (the eager model's results bitwise with the reference kernels run eagerly;
+otherwise within the kernels' tolerance). Routing
+records keep their length static (a replayed call still compiles per length)."""
 WHOLE_GRAPH_ENTRIES = ("forward", "decode_step", "hidden_states", "mtp_logits")
 """The entry points compiled as whole graphs (``regions=False``); the others then run eagerly."""
 
@@ -118,7 +121,7 @@ class OptimizedModel:
         self.manager = manager
         self.inductor = inductor
         self._compiled: dict[str, Any] = {}
-        self._first_length: dict[str, int] = {}
+        self._first_length: dict[tuple[str, bool], int] = {}
         self.regions: Regions | None = None
         if regions:
             backend = make_backend(manager, inductor=inductor)
@@ -146,19 +149,16 @@ class OptimizedModel:
             return self.model if name == "forward" else getattr(self.model, name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            length = _sequence_length(name, args, kwargs)
+            first = self._first_length.get(length[0]) if length else None
             with regions.installed(sequence=name in CHUNK_CALLS or kwargs.get("start") is not None
-                                   or self._later_length(name, args, kwargs)):
-                return method()(*args, **kwargs)
+                                   or (first is not None and first != length[1])):
+                out = method()(*args, **kwargs)
+            if length:
+                self._first_length.setdefault(*length)
+            return out
 
         return call
-
-    def _later_length(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether a full-sequence call (``SEQUENCE_CALLS``) has a length other than the first one it was called
-        with (its ids or streams lead its arguments, the sequence in dim 1)."""
-        first = args[0] if args else kwargs.get("input_ids", kwargs.get("hidden", kwargs.get("streams")))
-        if name not in SEQUENCE_CALLS or not isinstance(first, torch.Tensor) or first.dim() < 2:
-            return False
-        return self._first_length.setdefault(name, first.shape[1]) != first.shape[1]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward (logits; with ``cache=`` a prefill)."""
@@ -181,6 +181,16 @@ class OptimizedModel:
         """Per-pass totals: matches, near-misses, time, kernels, worst numerics error (when checked); prints as
         the report table, ``to_json()`` for scripts."""
         return summarize(self.manager.reports)
+
+
+def _sequence_length(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[str, bool], int] | None:
+    """For a full-sequence call (``SEQUENCE_CALLS``): its key (the entry, whether it fills a cache) and its length
+    (dim 1 of the ids or streams that lead its arguments); None for other calls."""
+    lead = args[0] if args else kwargs.get("input_ids", kwargs.get("hidden", kwargs.get("streams")))
+    if name not in SEQUENCE_CALLS or not isinstance(lead, torch.Tensor) or lead.dim() < 2:
+        return None
+    cache = kwargs.get("cache", args[1] if len(args) > 1 and name in ("forward", "hidden_states") else None)
+    return (name, cache is not None), lead.shape[1]
 
 
 def optimize(model: nn.Module, *, backend: str = "auto", passes: list[str] | None = None,
