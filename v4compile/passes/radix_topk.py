@@ -22,17 +22,21 @@ END = 2**63 - 1
 
 
 def _last_dim_prefix(node: fx.Node, ndim: int) -> int | None:
-    """k when ``node`` is ``x[..., :k]`` on the last dim, else None; a NoMatch when k is only known at run time
-    (the select kernel is built for one k)."""
+    """k when ``node`` is ``x[..., :k]`` on the last dim, else None; a NoMatch when k is only known at run time."""
     if not is_op(node, aten.slice):
         return None
     args = list(node.args) + [0, 0, END][len(node.args) - 1:]
     dim, start, end = args[1] % ndim, args[2] or 0, args[3]
     if dim != ndim - 1 or start != 0 or end is None:
         return None
-    if isinstance(end, fx.Node):
-        raise NoMatch(f"the top-k length is a dynamic size ({end.name}), known only at run time")
-    return int(end)
+    return _constant_k(end)
+
+
+def _constant_k(k: object) -> int:
+    """k as an int; a NoMatch when it is a dynamic size, known only at run time (the kernel is built for one k)."""
+    if isinstance(k, fx.Node):
+        raise NoMatch(f"the top-k length is a dynamic size ({k.name}), known only at run time")
+    return int(k)
 
 
 def _kernel_name(k: int, ctx: RewriteContext) -> str:
@@ -69,9 +73,7 @@ class RadixTopK(GraphPass):
 
     def _topk(self, node: fx.Node, dims: tuple[int, ...], ctx: RewriteContext) -> Rewrite:
         max_k, min_candidates = self._limits()
-        x, k = node.args[0], node.args[1]
-        if isinstance(k, fx.Node):
-            raise NoMatch(f"the top-k length is a dynamic size ({k.name}), known only at run time")
+        x, k = node.args[0], _constant_k(node.args[1])
         dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)) % len(dims)
         largest = node.args[3] if len(node.args) > 3 else node.kwargs.get("largest", True)
         if self.options.get("official_ties"):
