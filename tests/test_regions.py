@@ -116,7 +116,8 @@ def test_prompt_lengths_after_the_first_share_graphs_with_the_sequence_dynamic()
     """The first prefill length compiles graphs for that length; later lengths run graphs with the sequence
     dynamic, compiled once per shape class the model's code tells apart (a remainder of 1 or of 0 after the
     compressor's blocks, ...), so most new lengths compile nothing; every length, the first one again too, bitwise
-    equal to the eager model's logits and cache."""
+    equal to the eager model's logits and cache. The dynamic graphs get the same kernels as the first length's
+    (the compressor's block count and the indexer's k = min(topk, entries) are run-time values there)."""
     model = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=5).eval()
     optimized = v4compile.optimize(model, backend="reference", inductor=False)
     generator = torch.Generator().manual_seed(3)
@@ -135,6 +136,11 @@ def test_prompt_lengths_after_the_first_share_graphs_with_the_sequence_dynamic()
     # the second length compiles the dynamic graphs, remainders of 2 and 0 one more graph each (static: 4 each)
     assert compiled[3] - compiled[0] <= kinds + 2, compiled
     assert compiled[-1] == compiled[3], compiled
+    kernels = {r.graph: sorted((m.pass_name, m.kernel) for m in r.matches) for r in optimized.reports()}
+    for graph, found in kernels.items():
+        assert found == kernels[graph.split("-")[0]], graph
+    assert any(kernel.startswith("compressor_entries.c128") for _, kernel in kernels["prefill.layers.2-1"])
+    assert any(kernel.startswith("radix_topk") for _, kernel in kernels["prefill.layers.1,3-1"])
 
 
 def _ids(n: int, seed: int) -> list[int]:

@@ -204,8 +204,14 @@ def test_radix_topk_bf16_short_rows_and_k_equal_to_the_row() -> None:
     assert values.dtype == torch.bfloat16 and torch.equal(ids, want_i) and torch.equal(values, want_v)
     whole = torch.randn(2, 32)
     _assert_same_selection(ops.radix_topk(whole, 32, False, "tilelang"), reference.radix_topk(whole, 32, False))
+    from v4compile.codegen.tilelang import radix_topk
+
     with pytest.raises(ValueError, match="k=33"):
-        ops.radix_topk(whole, 33, False, "tilelang")
+        radix_topk.radix_topk(whole, 33, False, radix_topk.launch_config(32, 33, cuda=False))
+    # the op serves graphs compiled for every length: no more candidates than k gives every one, sorted
+    for k in (32, 33):
+        values, ids = ops.radix_topk(whole, k, True, "tilelang")
+        assert torch.equal(ids, reference.radix_topk(whole, k, True)[1]) and ids.shape == (2, 32)
 
 
 def test_radix_topk_candidate_overflow_takes_the_exact_path() -> None:

@@ -36,3 +36,21 @@ def test_chunked_prefill_on_cuda_agrees_with_eager_and_reuses_its_graphs(golden_
     assert graphs[384] == graphs[128], graphs  # the pieces at 256 and 384 reuse the graphs of the one at 128
     kernels = {m.kernel for r in optimized.reports() for m in r.matches}
     assert any(k.startswith("sparse_attention") for k in kernels) and any(k.startswith("mhc_pre") for k in kernels)
+
+
+def test_new_prompt_lengths_on_cuda_run_the_kernels_and_agree_with_eager(golden_root: Path) -> None:
+    """The first length compiles its own graphs, the next ones the sequence-dynamic graphs: those get the same
+    kernels (the compressor's block count and the indexer's k are run-time values there), and every length's
+    logits agree with eager's within the golden band."""
+    folder = golden_root / "tiny-bf16"
+    model = v4compile.load(folder, device="cuda").eval()
+    ids = GoldenFolder.read(folder).cases[-1].ids.cuda().repeat(1, 2)
+    optimized = v4compile.optimize(model)
+    with torch.no_grad():
+        for length in (307, 401, 404, 614):
+            agreement = Agreement.of(optimized(ids[:, :length]), model(ids[:, :length]))
+            assert agreement.in_band(), (length, agreement.line())
+    kernels = {r.graph: sorted((m.pass_name, m.kernel) for m in r.matches) for r in optimized.reports()}
+    for graph, found in kernels.items():
+        assert found == kernels[graph.split("-")[0]], graph
+    assert any(k.startswith("compressor_entries") for _, k in kernels["forward.layers.2-1"]), kernels

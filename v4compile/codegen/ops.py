@@ -193,13 +193,16 @@ _reference_backward(compressor_entry_state, "compressor_entry_state")
 # ----------------------------------------------------------------------------- radix_topk
 @torch.library.custom_op("v4compile::radix_topk", mutates_args=())
 def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest of the last dim, descending, ties to the lowest index (-1 for -inf if ``mask_invalid``)."""
+    """The k largest of the last dim, descending, ties to the lowest index (-1 for -inf if ``mask_invalid``); every
+    candidate, sorted so, when there are no more than k (a graph compiled for every length meets both)."""
+    if x.shape[-1] <= k:
+        return reference.radix_topk(x, k, mask_invalid)
     return _run("radix_topk", backend, x, k, mask_invalid)
 
 
 @radix_topk.register_fake
 def _(x, k, mask_invalid, backend):
-    shape = (*x.shape[:-1], k)
+    shape = (*x.shape[:-1], torch.sym_min(k, x.shape[-1]))
     return x.new_empty(shape), x.new_empty(shape, dtype=torch.long)
 
 

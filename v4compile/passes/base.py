@@ -199,7 +199,34 @@ def shape(node: Any) -> tuple[int | SymDim, ...] | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     if not isinstance(val, torch.Tensor):
         return None
-    return tuple(int(s) if is_concrete_int(s) else SymDim(s) for s in val.shape)
+    return tuple(_size(s) for s in val.shape)
+
+
+def _size(s: int | torch.SymInt) -> int | SymDim:
+    """An int for a size that is, or is provably, one constant in this graph (e.g. ``s // (s // 4)`` where s is
+    known to be a multiple of 4); else a ``SymDim``."""
+    if is_concrete_int(s):
+        return int(s)
+    hint = s.node.hint
+    if hint is not None and statically_known_true(s == int(hint)):
+        return int(hint)
+    return SymDim(s)
+
+
+def size_node(node: fx.Node, dim: int, divisor: int = 1) -> fx.Node:
+    """A node computing ``node``'s size along ``dim`` floor-divided by ``divisor``, inserted after ``node``: how a
+    rewrite passes a dynamic size to its op as a run-time value (the op then serves every size the graph does)."""
+    import operator
+
+    size = node.meta["val"].shape[dim]
+    with node.graph.inserting_after(node):
+        out = node.graph.call_function(torch.ops.aten.sym_size.int, (node, dim))
+        out.meta["val"] = size
+    if divisor != 1:
+        with node.graph.inserting_after(out):
+            out = node.graph.call_function(operator.floordiv, (out, divisor))
+            out.meta["val"] = size // divisor
+    return out
 
 
 def is_static(dims: tuple[int | SymDim, ...] | None) -> bool:

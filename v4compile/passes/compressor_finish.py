@@ -149,7 +149,10 @@ class CompressorFinish(GraphPass):
         rows = (shape(pool_args[0]) or (None,))[0]
         if rows is None:
             raise NoMatch("the pooled entries have an unknown shape")
-        finish = find_finish(_pooled_value(node), (rows, width) if state else (rows, pool_args[-1], width))
+        blocks = None if state else pool_args[-1]
+        if isinstance(blocks, fx.Node):
+            blocks = SymDim(blocks.meta["val"])
+        finish = find_finish(_pooled_value(node), (rows, width) if state else (rows, blocks, width))
         unsupported = supports(width, finish.rope, finish.rotate)
         if unsupported:
             raise NoMatch(unsupported)

@@ -15,9 +15,21 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..codegen import ops
-from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, only_user, shape, skip_noop_slices
+from .base import (
+    GraphPass,
+    NoMatch,
+    Rewrite,
+    RewriteContext,
+    SymDim,
+    is_op,
+    only_user,
+    shape,
+    size_node,
+    skip_noop_slices,
+)
 
 aten = torch.ops.aten
 END = 2**63 - 1
@@ -57,10 +69,29 @@ def _blocked_source(node: fx.Node, ratio: int, what: str) -> tuple[fx.Node, int]
     src = skip_noop_slices(src)
     if is_op(src, aten.slice):
         inner, d, start, end = _slice_args(src)
-        if d != 1 or start != 0 or (end != END and end != n_blocks * ratio):
+        if d != 1 or start != 0 or (end != END and not _same_size(end, n_blocks, ratio)):
             raise NoMatch(f"{what} takes tokens [{start}:{end}], not the complete blocks from token 0")
         src = skip_noop_slices(inner)
     return src, n_blocks
+
+
+def _same_size(end: object, n_blocks: int | SymDim, ratio: int) -> bool:
+    """Whether a slice's end (an int, or a node holding a dynamic size) is ``n_blocks * ratio``."""
+    if isinstance(n_blocks, SymDim):
+        val = end.meta.get("val") if isinstance(end, fx.Node) else end
+        return isinstance(val, (int, torch.SymInt)) and statically_known_true(val == n_blocks.value * ratio)
+    return end == n_blocks * ratio
+
+
+def _block_count(kv: fx.Node, n_blocks: int | SymDim, ratio: int) -> int | fx.Node:
+    """The pooling's block count as the op takes it: the int, or for a dynamic count a node computing it at run
+    time as kv's token count // ratio (the complete blocks; a NoMatch when the blocks are not those)."""
+    if not isinstance(n_blocks, SymDim):
+        return n_blocks
+    tokens = kv.meta["val"].shape[1]
+    if not statically_known_true(n_blocks.value == tokens // ratio):
+        raise NoMatch(f"the dynamic block count {n_blocks} is not the complete {ratio}-token blocks of kv")
+    return size_node(kv, 1, ratio)
 
 
 def _overlap_halves(node: fx.Node, width: int, fill: float, what: str) -> fx.Node:
@@ -158,7 +189,8 @@ class CompressorFusion(GraphPass):
         if kv_blocks != n_blocks or shape(kv_src) != shape(score_src):
             raise NoMatch("kv and score are blocked differently")
         kernel = f"compressor_pool.c{ratio}.w{width}.{ops.implementation_backend('compressor_pool', ctx.backend)}"
-        return Rewrite(w.total, ops.compressor_pool, (kv_src, score_src, ape, ratio, width, n_blocks, ctx.backend),
+        blocks = _block_count(kv_src, n_blocks, ratio)
+        return Rewrite(w.total, ops.compressor_pool, (kv_src, score_src, ape, ratio, width, blocks, ctx.backend),
                        kernel, {"form": "prefill", "ratio": ratio, "width": width, "overlap": overlap,
                                 "blocks": n_blocks})
 

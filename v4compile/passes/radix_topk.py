@@ -15,26 +15,32 @@ import torch
 from torch import fx
 
 from ..codegen import ops
-from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, shape
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, SymDim, is_op, shape
 
 aten = torch.ops.aten
 END = 2**63 - 1
 
 
-def _last_dim_prefix(node: fx.Node, ndim: int) -> int | None:
-    """k when ``node`` is ``x[..., :k]`` on the last dim, else None; a NoMatch when k is only known at run time."""
+def _last_dim_prefix(node: fx.Node, dims: tuple[int | SymDim, ...]) -> int | None:
+    """k when ``node`` is ``x[..., :k]`` on the last dim, else None (see ``_constant_k``)."""
     if not is_op(node, aten.slice):
         return None
     args = list(node.args) + [0, 0, END][len(node.args) - 1:]
-    dim, start, end = args[1] % ndim, args[2] or 0, args[3]
-    if dim != ndim - 1 or start != 0 or end is None:
+    dim, start, end = args[1] % len(dims), args[2] or 0, args[3]
+    if dim != len(dims) - 1 or start != 0 or end is None:
         return None
-    return _constant_k(end)
+    return _constant_k(end, dims[-1])
 
 
-def _constant_k(k: object) -> int:
-    """k as an int; a NoMatch when it is a dynamic size, known only at run time (the kernel is built for one k)."""
+def _constant_k(k: object, candidates: int | SymDim) -> int:
+    """k as an int. A dynamic ``min(c, candidates)`` (the indexer's ``min(topk, entries)`` in a graph compiled for
+    every length) is c: the op returns min(k, candidates) columns. Any other dynamic k is a NoMatch (the kernel is
+    built for one k)."""
     if isinstance(k, fx.Node):
+        bound = [a for a in k.args if isinstance(a, int)]
+        sizes = [a.meta.get("val") for a in k.args if isinstance(a, fx.Node)]
+        if k.target in (torch.sym_min, min) and len(bound) == 1 and len(sizes) == 1 and candidates == sizes[0]:
+            return bound[0]
         raise NoMatch(f"the top-k length is a dynamic size ({k.name}), known only at run time")
     return int(k)
 
@@ -73,7 +79,7 @@ class RadixTopK(GraphPass):
 
     def _topk(self, node: fx.Node, dims: tuple[int, ...], ctx: RewriteContext) -> Rewrite:
         max_k, min_candidates = self._limits()
-        x, k = node.args[0], _constant_k(node.args[1])
+        x, k = node.args[0], _constant_k(node.args[1], dims[-1])
         dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)) % len(dims)
         largest = node.args[3] if len(node.args) > 3 else node.kwargs.get("largest", True)
         if self.options.get("official_ties"):
@@ -105,7 +111,7 @@ class RadixTopK(GraphPass):
             if user.target is not operator.getitem:
                 raise NoMatch("sort result used whole")
             for use in user.users:
-                k = _last_dim_prefix(use, len(dims))
+                k = _last_dim_prefix(use, dims)
                 if k is None:
                     raise NoMatch("sorted values feed something other than a [..., :k] prefix")
                 ks.add(k)
@@ -115,7 +121,7 @@ class RadixTopK(GraphPass):
         k = ks.pop()
         if k > max_k:
             raise NoMatch(f"k = {k} exceeds the select kernel's maximum {max_k}")
-        if k >= dims[-1]:
+        if not isinstance(dims[-1], SymDim) and k >= dims[-1]:
             raise NoMatch(f"keeps all {dims[-1]} candidates: a full sort, not a selection")
         mask_invalid = self._masks_invalid(outputs)
         details = {"source": "stable sort prefix", "k": k, "candidates": dims[-1], "masks_invalid": mask_invalid}
