@@ -143,6 +143,29 @@ def test_prompt_lengths_after_the_first_share_graphs_with_the_sequence_dynamic()
     assert any(kernel.startswith("radix_topk") for _, kernel in kernels["prefill.layers.1,3-1"])
 
 
+def test_new_lengths_keep_every_kernel_on_flash_shaped_layers() -> None:
+    """Flash's layer kinds at small dims (FP8 projections, FP4 experts, top-6 of 16, C4 with the indexer and C128):
+    a second prompt length's dynamic graphs make the first length's rewrites (the expert sum's ``held[:, j:j+1]``
+    traces without the whole-dimension slice the template keeps) and stay bitwise the eager model's."""
+    config = v4compile.V4Config.preset(
+        "flash", n_layers=2, compress_ratios=[4, 128], n_hash_layers=0, n_mtp_layers=0, max_seq_len=1024, dim=512,
+        moe_inter_dim=128, n_routed_experts=16, vocab_size=1024, n_heads=8, q_lora_rank=128, o_groups=2,
+        o_lora_rank=64, head_dim=128, index_n_heads=4, index_head_dim=64, index_topk=16)
+    model = v4compile.DeepSeekV4(config, seed=1).eval()
+    optimized = v4compile.optimize(model, backend="reference", inductor=False)
+    generator = torch.Generator().manual_seed(2)
+    for length in (600, 450):
+        ids = torch.randint(0, config.vocab_size, (1, length), generator=generator)
+        with torch.no_grad():
+            assert torch.equal(optimized(ids, cache=model.new_cache(1)), model(ids, cache=model.new_cache(1)))
+    kernels = {r.graph: sorted((m.pass_name, m.kernel) for m in r.matches) for r in optimized.reports()}
+    assert set(kernels) == {"prefill.layers.0", "prefill.layers.1", "prefill.head", "prefill.layers.0-1",
+                            "prefill.layers.1-1", "prefill.head-1"}, kernels
+    for graph, found in kernels.items():
+        assert found == kernels[graph.split("-")[0]], graph
+    assert ("moe_dispatch", "moe_experts.fp4.reference") in kernels["prefill.layers.1-1"]
+
+
 def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

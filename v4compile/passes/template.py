@@ -5,7 +5,9 @@ backend retraces Dynamo's graph (pre-dispatch ATen). ``bind`` walks the template
 graph from a candidate node in lockstep: the same op, the same constants, the same structure; each template
 input binds to the graph node in its place. Casts to a tensor's own dtype are skipped on both sides (Dynamo
 and ``make_fx`` record them where the source calls ``.to`` or ``.float()`` on a tensor that already has the
-dtype). A mismatch names the op the template expects and what the graph has there.
+dtype), and so are whole-dimension slices (``x[:, j:j+1]`` keeps its ``:`` as a slice in a trace with a dynamic
+first dim, and one side may have dropped it). A mismatch names the op the template expects and what the graph
+has there.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from .base import dtype, is_op, locate
+from .base import dtype, is_op, locate, skip_noop_slices
 
 aten = torch.ops.aten
 _IGNORED_KWARGS = ("device",)
@@ -44,7 +46,7 @@ class Binding:
     reason: str
     matched: int
     region: set[fx.Node] = field(default_factory=set)
-    """The graph nodes the template's operations matched (no-op casts between them included), without the
+    """The graph nodes the template's operations matched (no-op casts and slices between them included), without the
     inputs and constants they read: what a rewrite of the whole match replaces."""
 
 
@@ -81,6 +83,15 @@ def skip_noop_casts(node: Any) -> Any:
     return node
 
 
+def _skip_noops(node: Any) -> Any:
+    """``node`` under any no-op casts and whole-dimension slices, in any order."""
+    while True:
+        inner = skip_noop_slices(skip_noop_casts(node))
+        if inner is node:
+            return node
+        node = inner
+
+
 def _describe(node: fx.Node) -> str:
     what = str(node.target) if node.op == "call_function" else node.op
     return f"{what} at {locate(node)}"
@@ -90,7 +101,7 @@ class _Matcher:
     def __init__(self, template: Template) -> None:
         self.template = template
         self.pairs: dict[fx.Node, fx.Node] = {}
-        self.casts: set[fx.Node] = set()
+        self.noops: set[fx.Node] = set()
         self.reason = ""
 
     def fail(self, reason: str) -> bool:
@@ -98,10 +109,10 @@ class _Matcher:
         return False
 
     def node(self, p: fx.Node, g: Any) -> bool:
-        p, skipped = skip_noop_casts(p), g
-        g = skip_noop_casts(g)
+        p, skipped = _skip_noops(p), g
+        g = _skip_noops(g)
         while isinstance(skipped, fx.Node) and skipped is not g:
-            self.casts.add(skipped)
+            self.noops.add(skipped)
             skipped = skipped.args[0]
         if not isinstance(g, fx.Node):
             return self.fail(f"expected a tensor for {p.target if p.op == 'call_function' else p.name}, found {g!r}")
@@ -176,5 +187,5 @@ def bind(template: Template, node: fx.Node) -> Binding:
     if matcher.node(template.output, node):
         operations = {g for p, g in matcher.pairs.items() if p.op == "call_function"}
         return Binding([skip_noop_casts(matcher.pairs[p]) if p in matcher.pairs else None
-                        for p in template.inputs], "", len(matcher.pairs), operations | matcher.casts)
+                        for p in template.inputs], "", len(matcher.pairs), operations | matcher.noops)
     return Binding(None, matcher.reason, len(matcher.pairs))
