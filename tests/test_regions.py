@@ -74,7 +74,8 @@ def test_chunks_at_every_later_position_reuse_the_compiled_chunk_graphs() -> Non
     """A prefill in pieces: the first piece (start 0) and the second (any other start: it is symbolic) compile;
     every later piece reuses them (Dynamo compiles no new frame), and a short remainder adds at most one graph
     per kind, all bitwise equal to the eager model's. Planned for a GPU, the chunk graphs (a dynamic length) stay
-    on one stream and say why; the indexer's cut at a dynamic length is a named near-miss of radix_topk."""
+    on one stream and say why; the indexer's cut at k = min(topk, entries) becomes the select kernel in every C4
+    chunk graph (k = topk, the op returning fewer columns while there are fewer entries)."""
     model = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=5).eval()
     optimized = v4compile.optimize(model, backend="reference", inductor=False,
                                    options={"stream_schedule": {"target": "sm90"}})
@@ -97,8 +98,8 @@ def test_chunks_at_every_later_position_reuse_the_compiled_chunk_graphs() -> Non
     for report in optimized.reports():
         streams = next(p for p in report.passes if p.name == "stream_schedule")
         assert not streams.matches and "dynamic size in dim 1" in streams.near_misses[0].reason, report.graph
-    topk = [m.reason for r in optimized.reports() for p in r.passes if p.name == "radix_topk" for m in p.near_misses]
-    assert any("top-k length is a dynamic size" in reason for reason in topk), topk
+    topk = [r.graph for r in optimized.reports() for m in r.matches if m.pass_name == "radix_topk"]
+    assert {g.split("-")[0] for g in topk} == {"extend_hidden.layers.1,3"} and len(topk) == 3, topk
 
 
 def _tensors(value: object) -> list[torch.Tensor]:
@@ -141,6 +142,25 @@ def test_prompt_lengths_after_the_first_share_graphs_with_the_sequence_dynamic()
         assert found == kernels[graph.split("-")[0]], graph
     assert any(kernel.startswith("compressor_entries.c128") for _, kernel in kernels["prefill.layers.2-1"])
     assert any(kernel.startswith("radix_topk") for _, kernel in kernels["prefill.layers.1,3-1"])
+
+
+def test_replayed_routing_shares_the_sequence_dynamic_graphs() -> None:
+    """A trainer replaying each rollout's routing records (experts and indexer entries) at its own length: after the
+    second length compiles the dynamic graphs, further lengths compile nothing, each bitwise the eager replay."""
+    from v4compile.model import Routing
+
+    model = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=5).eval()
+    optimized = v4compile.optimize(model, backend="reference", inductor=False)
+    generator = torch.Generator().manual_seed(3)
+    compiled = []
+    for length in (200, 301, 333, 450):
+        ids = torch.randint(0, model.config.vocab_size, (2, length), generator=generator)
+        record = Routing.recorder(model.config)
+        with torch.no_grad():
+            model(ids, routing=record)
+            assert torch.equal(optimized(ids, routing=record.for_replay()), model(ids, routing=record.for_replay()))
+        compiled.append(len(_graphs(optimized)))
+    assert compiled[1] > compiled[0] and compiled[3] == compiled[1], compiled
 
 
 def test_new_lengths_keep_every_kernel_on_flash_shaped_layers() -> None:

@@ -104,8 +104,8 @@ and without a cache) compiles graphs for that length, with every kernel that nee
 runs graphs with the sequence dynamic, compiled at the second length and again only for the few shape classes the
 model's code tells apart, so most new prompt lengths compile nothing. Once those exist, Dynamo tries them first, so
 the first length may run them too (the eager model's results bitwise with the reference kernels run eagerly;
-otherwise within the kernels' tolerance). Routing records keep their length static (a replayed call still compiles
-per length)."""
+otherwise within the kernels' tolerance). Replayed routing records share the dynamic graphs (their length is marked
+too)."""
 WHOLE_GRAPH_ENTRIES = ("forward", "decode_step", "hidden_states", "mtp_logits")
 """The entry points compiled as whole graphs (``regions=False``); the others then run eagerly."""
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from . import progress
+from .model.routing import Routing
 
 _SETTING_TYPES = (bool, int, float, str, type(None))
 _FUNCTION_REGIONS = ("logits", "_mtp")
@@ -124,8 +125,8 @@ def mark_dynamic_dims(args: tuple[Any, ...], kwargs: dict[str, Any], sequence: b
     """Marks the dims of a region call that vary in serving dynamic. The batch: dim 0 of every tensor argument
     (inside caches, routing records and lists too) whose first size is the first argument's, when that batch is
     above 1, so one graph serves every batch of 2 and more (batch 1 is its own graph: Dynamo specialises sizes of
-    1). With ``sequence`` also the sequence: dim 1 of the leading tensor arguments (the streams and the ids), so
-    one graph serves every length."""
+    1). With ``sequence`` also the sequence: dim 1 of the leading tensor arguments (the streams and the ids) and of
+    the replayed routing records (experts and indexer entries per position), so one graph serves every length."""
     first = args[0] if args else None
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         return
@@ -133,6 +134,11 @@ def mark_dynamic_dims(args: tuple[Any, ...], kwargs: dict[str, Any], sequence: b
         for value in args[:2]:
             if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[1] > 1:
                 torch._dynamo.maybe_mark_dynamic(value, 1)
+        for routing in (*args, *kwargs.values()):
+            if isinstance(routing, Routing) and routing.replay:
+                for value in (*routing.experts, *routing.indexer):
+                    if isinstance(value, torch.Tensor) and value.shape[1] == first.shape[1] > 1:
+                        torch._dynamo.maybe_mark_dynamic(value, 1)
     if first.shape[0] < 2:
         return
     batch = first.shape[0]
