@@ -6,9 +6,9 @@ process builds the model (random weights drawn on the device), optimizes it, and
 batch 1 over a ``--context``-token cache (optimize is lazy, so this is capture + passes + Inductor + kernel
 builds + the step), then the first step of a second decode bucket (batch 16: the graph every batch of 2 and more
 shares compiles here) and of a further one (batch 64: served by that graph, no compile). Then the first prefill
-at each of ``--lengths`` prompt lengths (batch 1): the first length compiles its own graphs, the second the graphs
-with the sequence dynamic, and the later lengths reuse them unless the model's code tells their shape apart (a
-remainder of 1 or 0 after the compressor's blocks, fewer blocks than the top-k, ...).
+at each of ``--lengths`` prompt lengths (batch 1): the graphs have the sequence dynamic, so a length compiles only
+when the model's code tells its shape apart from the earlier ones (a remainder of 0, 1 or more after the
+compressor's blocks, fewer blocks than the top-k, ...).
 
     PYTHONPATH=$PWD python3 benchmarks/compile_time.py --experts 16 64 256            # H200: the 4-layer slice
     PYTHONPATH=$PWD python3 benchmarks/compile_time.py --full --experts 256 --inter 512    # all 43 layers + MTP

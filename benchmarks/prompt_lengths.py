@@ -2,11 +2,10 @@
 
 One process: the 4-layer Flash slice (or the tiny preset) is optimized, then prefilled (batch 1, one cache of
 ``--context`` tokens per length, every call prefilling it from position 0) at each of ``--lengths`` in order. The
-first length compiles graphs for its shape; the next length compiles the graphs with the sequence dynamic, and
-later lengths reuse those unless the model's code tells their shape apart (a remainder of 1 or 0 after the
-compressor's blocks, ...). Per length: seconds of the first call (compiles included), the median of the warm
-calls, and how many graphs that length compiled; then the kernels each compiled graph runs, so a dynamic graph
-that lost one of the first length's kernels shows.
+graphs have the sequence dynamic: a length compiles only when its shape class is new (a remainder of 0, 1 or more
+after the compressor's blocks, ...). Per length: seconds of the first call (compiles included), the median of the
+warm calls, and how many graphs that length compiled; then the kernels each compiled graph runs, so a graph that
+lost one of the first graph's kernels shows.
 
     PYTHONPATH=$PWD:$PWD/benchmarks python3 benchmarks/prompt_lengths.py --experts 256 --out results.json   # GPU
     python benchmarks/prompt_lengths.py --tiny --device cpu

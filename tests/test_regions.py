@@ -114,11 +114,11 @@ def _tensors(value: object) -> list[torch.Tensor]:
 
 
 def test_prompt_lengths_after_the_first_share_graphs_with_the_sequence_dynamic() -> None:
-    """The first prefill length compiles graphs for that length; later lengths run graphs with the sequence
-    dynamic, compiled once per shape class the model's code tells apart (a remainder of 1 or of 0 after the
-    compressor's blocks, ...), so most new lengths compile nothing; every length, the first one again too, bitwise
-    equal to the eager model's logits and cache. The dynamic graphs get the same kernels as the first length's
-    (the compressor's block count and the indexer's k = min(topk, entries) are run-time values there)."""
+    """Prefill graphs have the sequence dynamic from the first length on, compiled once per shape class the model's
+    code tells apart (here: a remainder of 0, 1 or more after the C4 blocks; one or more complete C128 blocks), so
+    most new lengths compile nothing; every length, the first one again too, bitwise equal to the eager model's
+    logits and cache. Every class's graph has the same kernels (the compressor's block count and the indexer's
+    k = min(topk, entries) are run-time values)."""
     model = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=5).eval()
     optimized = v4compile.optimize(model, backend="reference", inductor=False)
     generator = torch.Generator().manual_seed(3)
@@ -134,8 +134,8 @@ def test_prompt_lengths_after_the_first_share_graphs_with_the_sequence_dynamic()
         compiled.append(len(_graphs(optimized)))
     kinds = 4  # three kinds of block and the head
     assert compiled[0] == kinds and _graphs(optimized)[0] == "prefill.layers.0"
-    # the second length compiles the dynamic graphs, remainders of 2 and 0 one more graph each (static: 4 each)
-    assert compiled[3] - compiled[0] <= kinds + 2, compiled
+    # 301: C4 remainder 1 and two C128 blocks (200 had one), 302: remainder 2; a static graph per length: 4 each
+    assert compiled[3] - compiled[0] <= 3, compiled
     assert compiled[-1] == compiled[3], compiled
     kernels = {r.graph: sorted((m.pass_name, m.kernel) for m in r.matches) for r in optimized.reports()}
     for graph, found in kernels.items():
@@ -165,8 +165,9 @@ def test_replayed_routing_shares_the_sequence_dynamic_graphs() -> None:
 
 def test_new_lengths_keep_every_kernel_on_flash_shaped_layers() -> None:
     """Flash's layer kinds at small dims (FP8 projections, FP4 experts, top-6 of 16, C4 with the indexer and C128):
-    a second prompt length's dynamic graphs make the first length's rewrites (the expert sum's ``held[:, j:j+1]``
-    traces without the whole-dimension slice the template keeps) and stay bitwise the eager model's."""
+    a second prompt length of another shape class (a remainder of 2 after the C4 blocks, not 0) compiles a graph
+    with the first one's rewrites (the expert sum's ``held[:, j:j+1]`` traces there without the whole-dimension
+    slice the template keeps), and both stay bitwise the eager model's."""
     config = v4compile.V4Config.preset(
         "flash", n_layers=2, compress_ratios=[4, 128], n_hash_layers=0, n_mtp_layers=0, max_seq_len=1024, dim=512,
         moe_inter_dim=128, n_routed_experts=16, vocab_size=1024, n_heads=8, q_lora_rank=128, o_groups=2,
@@ -179,11 +180,9 @@ def test_new_lengths_keep_every_kernel_on_flash_shaped_layers() -> None:
         with torch.no_grad():
             assert torch.equal(optimized(ids, cache=model.new_cache(1)), model(ids, cache=model.new_cache(1)))
     kernels = {r.graph: sorted((m.pass_name, m.kernel) for m in r.matches) for r in optimized.reports()}
-    assert set(kernels) == {"prefill.layers.0", "prefill.layers.1", "prefill.head", "prefill.layers.0-1",
-                            "prefill.layers.1-1", "prefill.head-1"}, kernels
     for graph, found in kernels.items():
         assert found == kernels[graph.split("-")[0]], graph
-    assert ("moe_dispatch", "moe_experts.fp4.reference") in kernels["prefill.layers.1-1"]
+    assert ("moe_dispatch", "moe_experts.fp4.reference") in kernels["prefill.layers.0-1"], kernels
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -281,5 +280,6 @@ def test_one_compile_serves_every_decode_batch(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(regions, "mark_dynamic_dims", lambda args, kwargs, sequence=False: None)
     static = v4compile.optimize(model, backend="reference", inductor=False, options=options)
     _decode(static, model, 2)
-    assert _rewrites(static) == {g: r for g, r in dynamic.items() if g in _rewrites(static)}
-    assert sum(sum(r.values()) for r in _rewrites(static).values()) > 0
+    decode = {g: r for g, r in _rewrites(static).items() if g.startswith("decode_step")}
+    assert decode == {g: r for g, r in dynamic.items() if g in decode}
+    assert sum(sum(r.values()) for r in decode.values()) > 0

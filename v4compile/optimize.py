@@ -99,13 +99,13 @@ start and the chunk length dynamic (``Regions.installed(sequence=True)``), so a 
 a few graphs per region (start 0, other starts, and a piece that closes no C128 block or starts off a block
 boundary)."""
 SEQUENCE_CALLS = ("forward", "hidden_states", "mtp_logits", "logits")
-"""Full-sequence calls (a prefill from position 0, logits for training or scoring): the first length (per entry, with
-and without a cache) compiles graphs for that length, with every kernel that needs a static size; any other length
-runs graphs with the sequence dynamic, compiled at the second length and again only for the few shape classes the
-model's code tells apart, so most new prompt lengths compile nothing. Once those exist, Dynamo tries them first, so
-the first length may run them too (the eager model's results bitwise with the reference kernels run eagerly;
-otherwise within the kernels' tolerance). Replayed routing records share the dynamic graphs (their length is marked
-too)."""
+"""Full-sequence calls (a prefill from position 0, logits for training or scoring): their regions compile with the
+sequence length dynamic from the first call on, so a new prompt length compiles only when the model's code tells its
+shape apart from every earlier one (a remainder of 1 or 0 after the compressor's blocks, no complete C128 block yet,
+fewer entries than the indexer's top-k, ...). The dynamic graphs run every kernel a length's own graphs would (the
+compressor's block count and the indexer's k are run-time values) at their speed (benchmarks/RESULTS.md); a length of
+1 has its own graphs (Dynamo specialises sizes of 1). Replayed routing records share the graphs (their length is
+marked too)."""
 WHOLE_GRAPH_ENTRIES = ("forward", "decode_step", "hidden_states", "mtp_logits")
 """The entry points compiled as whole graphs (``regions=False``); the others then run eagerly."""
 
@@ -121,7 +121,6 @@ class OptimizedModel:
         self.manager = manager
         self.inductor = inductor
         self._compiled: dict[str, Any] = {}
-        self._first_length: dict[tuple[str, bool], int] = {}
         self.regions: Regions | None = None
         if regions:
             backend = make_backend(manager, inductor=inductor)
@@ -149,14 +148,9 @@ class OptimizedModel:
             return self.model if name == "forward" else getattr(self.model, name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            length = _sequence_length(name, args, kwargs)
-            first = self._first_length.get(length[0]) if length else None
-            with regions.installed(sequence=name in CHUNK_CALLS or kwargs.get("start") is not None
-                                   or (first is not None and first != length[1])):
-                out = method()(*args, **kwargs)
-            if length:
-                self._first_length.setdefault(*length)
-            return out
+            sequence = name in CHUNK_CALLS or kwargs.get("start") is not None or _is_sequence_call(name, args, kwargs)
+            with regions.installed(sequence=sequence):
+                return method()(*args, **kwargs)
 
         return call
 
@@ -183,14 +177,11 @@ class OptimizedModel:
         return summarize(self.manager.reports)
 
 
-def _sequence_length(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[str, bool], int] | None:
-    """For a full-sequence call (``SEQUENCE_CALLS``): its key (the entry, whether it fills a cache) and its length
-    (dim 1 of the ids or streams that lead its arguments); None for other calls."""
+def _is_sequence_call(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this is a full-sequence call (``SEQUENCE_CALLS``) of more than one position (dim 1 of the ids or
+    streams that lead its arguments)."""
     lead = args[0] if args else kwargs.get("input_ids", kwargs.get("hidden", kwargs.get("streams")))
-    if name not in SEQUENCE_CALLS or not isinstance(lead, torch.Tensor) or lead.dim() < 2:
-        return None
-    cache = kwargs.get("cache", args[1] if len(args) > 1 and name in ("forward", "hidden_states") else None)
-    return (name, cache is not None), lead.shape[1]
+    return name in SEQUENCE_CALLS and isinstance(lead, torch.Tensor) and lead.dim() >= 2 and lead.shape[1] > 1
 
 
 def optimize(model: nn.Module, *, backend: str = "auto", passes: list[str] | None = None,

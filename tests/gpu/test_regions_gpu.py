@@ -39,9 +39,9 @@ def test_chunked_prefill_on_cuda_agrees_with_eager_and_reuses_its_graphs(golden_
 
 
 def test_new_prompt_lengths_on_cuda_run_the_kernels_and_agree_with_eager(golden_root: Path) -> None:
-    """The first length compiles its own graphs, the next ones the sequence-dynamic graphs: those get the same
-    kernels (the compressor's block count and the indexer's k are run-time values there), and every length's
-    logits agree with eager's within the golden band."""
+    """Prompt lengths of several shape classes (remainders 3, 1, 0 and 2 after the C4 blocks): each class's graphs
+    get the same kernels (the compressor's block count and the indexer's k are run-time values), and every
+    length's logits agree with eager's within the golden band."""
     folder = golden_root / "tiny-bf16"
     model = v4compile.load(folder, device="cuda").eval()
     ids = GoldenFolder.read(folder).cases[-1].ids.cuda().repeat(1, 2)
@@ -53,4 +53,5 @@ def test_new_prompt_lengths_on_cuda_run_the_kernels_and_agree_with_eager(golden_
     kernels = {r.graph: sorted((m.pass_name, m.kernel) for m in r.matches) for r in optimized.reports()}
     for graph, found in kernels.items():
         assert found == kernels[graph.split("-")[0]], graph
-    assert any(k.startswith("compressor_entries") for _, k in kernels["forward.layers.2-1"]), kernels
+    later = {k for _, k in kernels["forward.layers.1,3-1"]}
+    assert any(k.startswith("compressor_entries") for k in later) and any(k.startswith("radix_topk") for k in later)

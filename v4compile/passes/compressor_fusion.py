@@ -76,11 +76,11 @@ def _blocked_source(node: fx.Node, ratio: int, what: str) -> tuple[fx.Node, int]
 
 
 def _same_size(end: object, n_blocks: int | SymDim, ratio: int) -> bool:
-    """Whether a slice's end (an int, or a node holding a dynamic size) is ``n_blocks * ratio``."""
-    if isinstance(n_blocks, SymDim):
-        val = end.meta.get("val") if isinstance(end, fx.Node) else end
-        return isinstance(val, (int, torch.SymInt)) and statically_known_true(val == n_blocks.value * ratio)
-    return end == n_blocks * ratio
+    """Whether a slice's end (an int, or a node holding a dynamic size) is ``n_blocks * ratio`` (either may be
+    dynamic: a graph guarded to one complete block has n_blocks 1 and the end still a size expression)."""
+    val = end.meta.get("val") if isinstance(end, fx.Node) else end
+    count = n_blocks.value if isinstance(n_blocks, SymDim) else n_blocks
+    return isinstance(val, (int, torch.SymInt)) and statically_known_true(val == count * ratio)
 
 
 def _block_count(kv: fx.Node, n_blocks: int | SymDim, ratio: int) -> int | fx.Node:
