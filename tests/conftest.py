@@ -84,7 +84,8 @@ def assert_finished_entries() -> Callable[[torch.Tensor, torch.Tensor, bool, flo
 
     def check(got: torch.Tensor, want: torch.Tensor, rotate: bool, min_equal: float = 0.99) -> None:
         assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
-        assert (got == want).float().mean() >= min_equal
+        unequal = int((got != want).sum())
+        assert unequal <= max((1 - min_equal) * got.numel(), 2), (unequal, got.numel())  # a crossing or two
         differ = (got != want) & ~(got.isnan() & want.isnan())
         if rotate:
             assert _fp4_neighbours(got[differ], want[differ]).all(), (got[differ], want[differ])
