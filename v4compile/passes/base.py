@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import operator
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -216,8 +217,6 @@ def _size(s: int | torch.SymInt) -> int | SymDim:
 def size_node(node: fx.Node, dim: int, divisor: int = 1) -> fx.Node:
     """A node computing ``node``'s size along ``dim`` floor-divided by ``divisor``, inserted after ``node``: how a
     rewrite passes a dynamic size to its op as a run-time value (the op then serves every size the graph does)."""
-    import operator
-
     size = node.meta["val"].shape[dim]
     with node.graph.inserting_after(node):
         out = node.graph.call_function(torch.ops.aten.sym_size.int, (node, dim))

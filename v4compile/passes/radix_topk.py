@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..codegen import ops
 from .base import GraphPass, NoMatch, Rewrite, RewriteContext, SymDim, is_op, shape
@@ -39,7 +40,9 @@ def _constant_k(k: object, candidates: int | SymDim) -> int:
     if isinstance(k, fx.Node):
         bound = [a for a in k.args if isinstance(a, int)]
         sizes = [a.meta.get("val") for a in k.args if isinstance(a, fx.Node)]
-        if k.target in (torch.sym_min, min) and len(bound) == 1 and len(sizes) == 1 and candidates == sizes[0]:
+        count = candidates.value if isinstance(candidates, SymDim) else candidates
+        if (k.target in (torch.sym_min, min) and len(bound) == 1 and len(sizes) == 1
+                and isinstance(sizes[0], (int, torch.SymInt)) and statically_known_true(sizes[0] == count)):
             return bound[0]
         raise NoMatch(f"the top-k length is a dynamic size ({k.name}), known only at run time")
     return int(k)
