@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from v4compile.codegen import ops, reference
+from v4compile.codegen.registry import REGISTRY
 from v4compile.codegen.triton import moe
 from v4compile.model import quant
 from v4compile.model.init import random_tensors
@@ -119,6 +120,29 @@ def test_the_gpu_formulation_runs_under_the_interpreter(fmt: str, pow2: bool, to
         got = moe.moe_experts(*args, config=config)
         want = reference.moe_experts(*args)
     assert_matches(got, want)
+
+
+@pytest.mark.parametrize(("fmt", "pow2", "tokens", "tl_dot"), [("fp4", True, 1, True), ("fp4", False, 7, False),
+                                                         ("fp8", True, 5, True), ("bf16", False, 4, False)])
+def test_k_split_gemms_match_the_models_experts(fmt: str, pow2: bool, tokens: int, tl_dot: bool) -> None:
+    """Few pairs split each GEMM's K among programs (the decode path: more loads in flight); the parts' fp32 sums
+    are added in a fixed order by the finishing kernels, so results repeat bitwise and stay in the model's band."""
+    experts = make_experts(fmt, pow2)
+    x = (torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(tokens)) * 2).bfloat16()
+    weights, ids = routing(tokens, EXPERTS, TOP_K, seed=tokens)
+    base = {**moe.launch_config(tokens * TOP_K, EXPERTS, tokens, DIM, INTER, cuda=False), "tl_dot": tl_dot,
+            "BK": 128}
+    args = (x, weights, ids, 0, *weights_of(experts), fmt, pow2, LIMIT)
+    with torch.no_grad():
+        whole = moe.moe_experts(*args, config=base)
+        split = moe.moe_experts(*args, config={**base, "programs": 10**6})
+        again = moe.moe_experts(*args, config={**base, "programs": 10**6})
+        want = reference.moe_experts(*args)
+    parts = REGISTRY.records[moe.kernel_name(fmt)].launch["k_parts"]
+    assert parts == (2, 1), parts
+    assert_matches(split, want)
+    assert_matches(split, whole)
+    assert torch.equal(split, again)
 
 
 @pytest.mark.parametrize("pow2", [True, False])

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from v4compile.codegen import ops, reference
+from v4compile.codegen.registry import REGISTRY
 from v4compile.codegen.triton import moe
 from v4compile.model import quant
 from v4compile.model.moe import RoutedExperts
@@ -73,6 +74,22 @@ def test_moe_kernel_matches_dense_experts_cuda(fmt: str, pow2: bool, tokens: int
     config = moe.launch_config(per, n_experts, tokens, dim, 512, True)
     with torch.no_grad():
         got, want = moe.moe_experts(*args, config=config), reference.moe_experts(*args)
+    assert_close_normwise(got, want)
+
+
+@pytest.mark.parametrize(("fmt", "pow2", "tokens"), [("fp4", True, 1), ("fp4", False, 5), ("fp8", True, 3),
+                                               ("bf16", False, 2)])
+def test_k_split_gemms_cuda(fmt: str, pow2: bool, tokens: int) -> None:
+    """Every GEMM split into as many K parts as it has K blocks (a K of 9 quantization blocks: uneven parts), the
+    finishing kernels adding them: in the band, and bitwise repeatable."""
+    experts = gpu_experts(32, 1152, 512, fmt, pow2)
+    x = torch.randn(tokens, 1152, device="cuda").bfloat16()
+    args = op_args(experts, fmt, pow2, x, 32, 6)
+    config = {**moe.launch_config(tokens * 6, 32, tokens, 1152, 512, True), "programs": 10**6}
+    with torch.no_grad():
+        got, want = moe.moe_experts(*args, config=config), reference.moe_experts(*args)
+        assert torch.equal(got, moe.moe_experts(*args, config=config))
+    assert REGISTRY.records[moe.kernel_name(fmt)].launch["k_parts"][0] > 1
     assert_close_normwise(got, want)
 
 

@@ -15,6 +15,9 @@ shape alone and the sequence can be captured in a CUDA graph):
 6. ``moe_combine``: every token sums its experts' outputs in ascending expert order, the order of the
    model's loop, in fp32; no atomics, so the result is deterministic (and equal to the model's sum when
    the expert outputs are).
+With few pairs (decoding a token or two) a GEMM has too few programs to fill the GPU; it then splits its K
+among programs that store fp32 partial sums, and the next kernel adds the parts in a fixed order before
+rounding: ``moe_gated_finish`` (the gated epilogue with step 4's quantization fused in) and ``moe_combine``.
 
 The tile -> expert map is derived in every GEMM program from the per-expert counts (a cumsum over at most
 a few hundred entries), so no further launch is needed. Expert weights are the model's stacked tensors: expert
@@ -172,12 +175,15 @@ def _dot_scaled(a, acc, W, S, n, nm, k0, s_w, s_s, BK: tl.constexpr):
 
 
 @triton.jit
-def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k, N, K,
-             s_a, s_o, s_w, s_s, s_we, s_se, limit, GATED: tl.constexpr, CLAMP: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_BLOCK: tl.constexpr, TL_DOT: tl.constexpr):
+def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k, N, K, k_part,
+             s_a, s_o, s_op, s_w, s_s, s_we, s_se, limit, GATED: tl.constexpr, CLAMP: tl.constexpr,
+             PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_BLOCK: tl.constexpr,
+             TL_DOT: tl.constexpr):
     # GATED: OUT[slot] = bf16(weight * silu(min(bf16(A W_A^T), L)) * clamp(bf16(A W_B^T), -L, L)) with A's
     # rows gathered by token; else OUT[slot] = bf16(A[slot] W_A^T). Expert e's weight is W + e * s_we (its
-    # scale S + e * s_se) in the stacked tensors. Programs of one row tile are adjacent (its rows stay in L2)
+    # scale S + e * s_se) in the stacked tensors. Programs of one row tile are adjacent (its rows stay in L2).
+    # PARTIAL: program_id(1) sums only K columns [k_part * id, k_part * (id + 1)) and stores its fp32 sums at
+    # OUT + id * s_op (A W_A^T at column n, A W_B^T at N + n); the finishing kernels add the parts in order
     tile = tl.program_id(0) // tl.cdiv(N, BN)
     nb = tl.program_id(0) % tl.cdiv(N, BN)
     e, row0, offset, count = _locate(COUNTS, n_local, tile, BM, E_BLOCK)
@@ -199,15 +205,17 @@ def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k
     nm = n < N
     acc_a = tl.zeros([BM, BN], tl.float32)
     acc_b = tl.zeros([BM, BN], tl.float32)
+    k_lo = tl.program_id(1) * k_part
+    k_hi = tl.minimum(k_lo + k_part, K)
     if FMT != "bf16" and TL_DOT:
-        for k0 in range(0, K, BK):
+        for k0 in range(k_lo, k_hi, BK):
             k = k0 + tl.arange(0, BK)
             a = tl.load(A + rows[:, None] * s_a + k[None, :], mask=rm[:, None], other=0.0)
             acc_a = _dot_scaled(a, acc_a, wa, sa, n, nm, k0, s_w, s_s, BK)
             if GATED:
                 acc_b = _dot_scaled(a, acc_b, wb, sb, n, nm, k0, s_w, s_s, BK)
     else:
-        for k0 in range(0, K, BK):
+        for k0 in range(k_lo, k_hi, BK):
             if FMT == "fp4":
                 # A's 128-blocks hold their even columns first (moe_quant's PERMUTE): both halves load contiguously
                 j = tl.arange(0, BK // 2)
@@ -222,21 +230,67 @@ def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k
             acc_a += _dot_w(a0, a1, wa, sa, n, nm, k0, K, s_w, s_s, BK, TL_DOT)
             if GATED:
                 acc_b += _dot_w(a0, a1, wb, sb, n, nm, k0, K, s_w, s_s, BK, TL_DOT)
-    out = _round_bf16(acc_a)
-    if GATED:
-        up = _round_bf16(acc_b)
-        if CLAMP:
-            out = tl.minimum(out, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        weight = tl.load(WEIGHTS + pair, mask=rm, other=0.0)
-        out = _round_bf16(weight[:, None] * (out / (1.0 + tl.exp(-out)) * up))
-    tl.store(OUT + slot[:, None] * s_o + n[None, :], out.to(tl.bfloat16), mask=rm[:, None] & nm[None, :])
+    mask = rm[:, None] & nm[None, :]
+    if PARTIAL:
+        part = OUT + tl.program_id(1) * s_op + slot[:, None] * s_o + n[None, :]
+        tl.store(part, acc_a, mask=mask)
+        if GATED:
+            tl.store(part + N, acc_b, mask=mask)
+    else:
+        out = _round_bf16(acc_a)
+        if GATED:
+            weight = tl.load(WEIGHTS + pair, mask=rm, other=0.0)
+            out = _swiglu(out, acc_b, weight, limit, CLAMP)
+        tl.store(OUT + slot[:, None] * s_o + n[None, :], out.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
-def moe_combine(IDS, SLOT, OUT, Y, tokens, dim, top_k, s_o, s_y,
-                BT: tl.constexpr, BD: tl.constexpr, KP: tl.constexpr):
-    # y[t] = sum of t's expert outputs in ascending expert order (a repeated id counts once)
+def _swiglu(gate, up_sum, weight, limit, CLAMP: tl.constexpr):
+    # bf16(weight * silu(min(gate, L)) * clamp(bf16(up_sum), -L, L)) for gate already bf16-rounded
+    up = _round_bf16(up_sum)
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    return _round_bf16(weight[:, None] * (gate / (1.0 + tl.exp(-gate)) * up))
+
+
+@triton.jit
+def moe_gated_finish(PART, SORTED, WEIGHTS, COUNTS, OUT, n_local, top_k, N, parts, s_pp, s_p, s_o, limit,
+                     CLAMP: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr, PERMUTE: tl.constexpr,
+                     BR: tl.constexpr, E_BLOCK: tl.constexpr):
+    # the gated GEMM's epilogue over its K parts: OUT[slot] = the SwiGLU of the parts' sums (added in part
+    # order), then (QUANT) its e4m3 simulation per 128 columns, as moe_quant would compute it from OUT
+    rows = _n_valid(COUNTS, n_local, E_BLOCK)
+    if tl.program_id(0) * BR >= rows:
+        return
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    j = tl.arange(0, 128)
+    c = tl.program_id(1) * 128 + j
+    rm = r < rows
+    mask = rm[:, None] & (c < N)[None, :]
+    gate = tl.zeros([BR, 128], tl.float32)
+    up = tl.zeros([BR, 128], tl.float32)
+    for p in range(0, parts):
+        at = PART + p * s_pp + r[:, None] * s_p + c[None, :]
+        gate += tl.load(at, mask=mask, other=0.0)
+        up += tl.load(at + N, mask=mask, other=0.0)
+    pair = tl.load(SORTED + r, mask=rm, other=0)
+    weight = tl.load(WEIGHTS + pair, mask=rm, other=0.0)
+    y = _swiglu(_round_bf16(gate), up, weight, limit, CLAMP)
+    if QUANT:
+        scale = _act_scale(y, POW2)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(y, scale[:, None]), -448.0), 448.0)
+        y = _round_bf16(_round_e4m3(v) * scale[:, None])
+    if PERMUTE:
+        c = tl.program_id(1) * 128 + (j % 2) * 64 + j // 2
+    tl.store(OUT + r[:, None] * s_o + c[None, :], y.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def moe_combine(IDS, SLOT, OUT, Y, tokens, dim, top_k, parts, s_op, s_o, s_y,
+                PARTIAL: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, KP: tl.constexpr):
+    # y[t] = sum of t's expert outputs in ascending expert order (a repeated id counts once); PARTIAL: an
+    # expert output is bf16 of its fp32 K parts' sum (added in part order), the parts p at OUT + p * s_op
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     j = tl.arange(0, KP)
@@ -253,8 +307,14 @@ def moe_combine(IDS, SLOT, OUT, Y, tokens, dim, top_k, s_o, s_y,
         pick = rank == i
         row = tl.sum(tl.where(pick, slot, 0), 1)
         take = tl.sum((pick & use).to(tl.int32), 1) > 0
-        acc += tl.load(OUT + row[:, None] * s_o + d[None, :], mask=take[:, None] & (d < dim)[None, :],
-                       other=0.0).to(tl.float32)
+        mask = take[:, None] & (d < dim)[None, :]
+        if PARTIAL:
+            part = tl.zeros([BT, BD], tl.float32)
+            for p in range(0, parts):
+                part += tl.load(OUT + p * s_op + row[:, None] * s_o + d[None, :], mask=mask, other=0.0)
+            acc += _round_bf16(part)
+        else:
+            acc += tl.load(OUT + row[:, None] * s_o + d[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + t[:, None] * s_y + d[None, :], acc, mask=tm[:, None] & (d < dim)[None, :])
 '''
 
@@ -270,9 +330,12 @@ def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, c
     K blocks of 128 (the quantization block; ``BK`` is the largest K block, each GEMM takes the largest that fits
     its K in whole quantization blocks), each the fastest measured at V4-Flash's shape on the H200 (256 experts
     at 1, 64 and 8192 tokens, 16 at 64: benchmarks/RESULTS.md); the interpreter gets few, large programs (its
-    cost is per program and op, not per element)."""
+    cost is per program and op, not per element). ``programs``: a GEMM with fewer programs than this splits its K
+    into parts until it has about that many (one token on the H100: the gated GEMM's 384 programs fill under half
+    a wave, two parts took the layer from 103 to 87 us; more parts were slower)."""
     if not cuda:
-        return {"BM": 16, "BN1": min(256, triton_next_pow2(inter)), "BN2": min(256, triton_next_pow2(dim)),
+        return {"programs": 0, "BM": 16, "BN1": min(256, triton_next_pow2(inter)),
+                "BN2": min(256, triton_next_pow2(dim)),
                 "BK": 512, "BT": 64, "BD": triton_next_pow2(dim), "BR": 64, "tl_dot": False, "num_warps": 4,
                 "num_stages": 1}
     per_expert = pairs / max(n_local, 1)
@@ -282,7 +345,8 @@ def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, c
         tiles = {"BM": 32, "BN1": 64, "BN2": 64, "num_warps": 4, "num_stages": 3}
     else:
         tiles = {"BM": 128, "BN1": 128, "BN2": 128, "num_warps": 8, "num_stages": 3}
-    return {**tiles, "BK": 128, "BT": 1 if tokens < 512 else 4, "BD": 512, "BR": 16, "tl_dot": True}
+    return {**tiles, "programs": 1024, "BK": 128, "BT": 1 if tokens < 512 else 4, "BD": 512, "BR": 16,
+            "tl_dot": True}
 
 
 def _module(fmt: str, cuda: bool) -> object:
@@ -368,10 +432,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     order = torch.empty(pairs, dtype=torch.int32, device=device)
     slots = torch.empty(pairs, dtype=torch.int32, device=device)
     permute = fmt == "fp4" and not config["tl_dot"]
-    hidden = torch.empty(pairs, inter, dtype=torch.bfloat16, device=device)
-    hidden_q = torch.empty_like(hidden) if quantized else hidden
     x_q = torch.empty_like(x) if quantized else x
-    out = torch.empty(pairs, dim, dtype=torch.bfloat16, device=device)
     y = torch.empty(tokens, dim, dtype=torch.float32, device=device)
     tiles = min(pairs, triton.cdiv(pairs, bm) + min(n_local, pairs))
     warps, stages = config["num_warps"], config["num_stages"]
@@ -389,30 +450,56 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
             blocks *= 2
         return blocks * QUANT_BLOCK
 
-    def gemm(a: torch.Tensor, dst: torch.Tensor, gated: bool, n: int, k: int, bn: int) -> None:
+    def parts(n: int, k: int, bn: int) -> tuple[int, int]:
+        # K parts of a GEMM and the columns per part: enough programs to cover the GPU (config "programs")
+        bk = k_block(k)
+        wanted = max(1, config["programs"] // (tiles * triton.cdiv(n, bn)))
+        per_part = bk * triton.cdiv(triton.cdiv(k, bk), min(wanted, triton.cdiv(k, bk)))
+        return triton.cdiv(k, per_part), per_part
+
+    def gemm(a: torch.Tensor, dst: torch.Tensor, gated: bool, n: int, k: int, bn: int, split: tuple[int, int]
+             ) -> None:
         w = (w1, w3, s1, s3) if gated else (w2, w2, s2, s2)
         row = {"fp4": (k // 2, k // 32), "fp8": (k, triton.cdiv(k, QUANT_BLOCK)), "bf16": (k, 0)}[fmt]
         scale_stride = w[2].stride(0) if quantized else 0
-        module.moe_gemm[(tiles * triton.cdiv(n, bn),)](
-            a, weights, order, counts, *w, dst, n_local, top_k, n, k, a.stride(0), dst.stride(0), *row,
-            w[0].stride(0), scale_stride, float(limit), GATED=gated, CLAMP=limit > 0, BM=bm, BN=bn, BK=k_block(k),
-            E_BLOCK=e_block, TL_DOT=config["tl_dot"], num_warps=warps, num_stages=stages)
+        partial = dst.dtype == torch.float32
+        module.moe_gemm[(tiles * triton.cdiv(n, bn), split[0])](
+            a, weights, order, counts, *w, dst, n_local, top_k, n, k, split[1], a.stride(0),
+            dst.stride(-2), dst.stride(0) if partial else 0, *row, w[0].stride(0), scale_stride, float(limit),
+            GATED=gated, CLAMP=limit > 0, PARTIAL=partial, BM=bm, BN=bn, BK=k_block(k), E_BLOCK=e_block,
+            TL_DOT=config["tl_dot"], num_warps=warps, num_stages=stages)
+
+    split1 = parts(inter, dim, config["BN1"])
+    split2 = parts(dim, inter, config["BN2"])
+    gate_parts = torch.empty(split1[0], pairs, 2 * inter, dtype=torch.float32, device=device) \
+        if split1[0] > 1 else None
+    hidden = torch.empty(pairs, inter, dtype=torch.bfloat16, device=device)
+    hidden_q = torch.empty_like(hidden) if quantized and gate_parts is None else hidden
+    out = torch.empty(split2[0], pairs, dim, dtype=torch.float32, device=device) if split2[0] > 1 else \
+        torch.empty(pairs, dim, dtype=torch.bfloat16, device=device)
 
     def run() -> None:
         module.moe_route[(n_local,)](ids, counts, order, slots, pairs, first, n_local, BLOCK=1024)
         if quantized:
             quant(x, x_q, False)
-        gemm(x_q, hidden, True, inter, dim, config["BN1"])
-        if quantized:
-            quant(hidden, hidden_q, True)
-        gemm(hidden_q, out, False, dim, inter, config["BN2"])
+        if gate_parts is None:
+            gemm(x_q, hidden, True, inter, dim, config["BN1"], split1)
+            if quantized:
+                quant(hidden, hidden_q, True)
+        else:
+            gemm(x_q, gate_parts, True, inter, dim, config["BN1"], split1)
+            module.moe_gated_finish[(triton.cdiv(pairs, config["BR"]), triton.cdiv(inter, QUANT_BLOCK))](
+                gate_parts, order, weights, counts, hidden_q, n_local, top_k, inter, split1[0],
+                gate_parts.stride(0), gate_parts.stride(1), hidden_q.stride(0), float(limit), CLAMP=limit > 0,
+                QUANT=quantized, POW2=pow2, PERMUTE=permute, BR=config["BR"], E_BLOCK=e_block)
+        gemm(hidden_q, out, False, dim, inter, config["BN2"], split2)
         module.moe_combine[(triton.cdiv(tokens, config["BT"]), triton.cdiv(dim, config["BD"]))](
-            ids, slots, out, y, tokens, dim, top_k, out.stride(0), y.stride(0), BT=config["BT"], BD=config["BD"],
-            KP=triton_next_pow2(top_k))
+            ids, slots, out, y, tokens, dim, top_k, split2[0], out.stride(0), out.stride(-2), y.stride(0),
+            PARTIAL=out.dtype == torch.float32, BT=config["BT"], BD=config["BD"], KP=triton_next_pow2(top_k))
 
     if tokens:
         REGISTRY.launch(name, run)
-        REGISTRY.note_launch(name, tiles=tiles, experts=n_local, pairs=pairs, **config)
+        REGISTRY.note_launch(name, tiles=tiles, experts=n_local, pairs=pairs, k_parts=(split1[0], split2[0]), **config)
         if cuda and REGISTRY.records[name].lowered is None:
             REGISTRY.set_lowered(name, lowered_text(module.moe_gemm) or "")
     return y
