@@ -62,10 +62,10 @@ def assert_close_normwise(got: torch.Tensor, want: torch.Tensor) -> None:
     ("fp4", True, 7, 256, 1024), ("fp8", False, 40, 16, 1152), ("fp8", True, 333, 16, 1024),
     ("bf16", False, 300, 16, 1024),
 ])
-@pytest.mark.parametrize("tier", [None, 1, 24, 200])
+@pytest.mark.parametrize("tier", [None, 1, 24, 100, 200])
 def test_moe_kernel_matches_dense_experts_cuda(fmt: str, pow2: bool, tokens: int, n_experts: int, dim: int,
                                                tier: int | None) -> None:
-    """The default launch configuration, and each tier's (the tiles ``launch_config`` picks at 1, 24 and 200
+    """The default launch configuration, and each tier's (the tiles ``launch_config`` picks at 1, 24, 100 and 200
     pairs an expert) forced on the same inputs: odd token counts, a K of 9 quantization blocks."""
     experts = gpu_experts(n_experts, dim, 512, fmt, pow2)
     x = torch.randn(tokens, dim, device="cuda").bfloat16()
