@@ -71,7 +71,7 @@ def test_moe_kernel_matches_dense_experts_cuda(fmt: str, pow2: bool, tokens: int
     x = torch.randn(tokens, dim, device="cuda").bfloat16()
     args = op_args(experts, fmt, pow2, x, n_experts, 6)
     per = tokens * 6 if tier is None else tier * n_experts
-    config = moe.launch_config(per, n_experts, tokens, dim, 512, True)
+    config = moe.launch_config(per, n_experts, tokens, dim, 512, True, fmt)
     with torch.no_grad():
         got, want = moe.moe_experts(*args, config=config), reference.moe_experts(*args)
     assert_close_normwise(got, want)

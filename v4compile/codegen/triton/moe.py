@@ -324,11 +324,13 @@ def kernel_name(fmt: str) -> str:
     return f"moe_experts.{fmt}.triton"
 
 
-def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, cuda: bool) -> dict[str, int]:
+def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, cuda: bool, fmt: str = "fp4"
+                  ) -> dict[str, int]:
     """Row tiles sized by the mean pairs per expert (16 rows, the tensor cores' minimum, while decoding, on two
-    warps; 32 up to 64 pairs an expert; 128 rows on 128-wide output blocks up to 128; beyond, 256 rows, so each
-    widened FP4 weight serves twice the rows: the widening's integer work had matched the tensor work, 8192 tokens
-    on the H100 took 9.99 against 11.64 ms per Flash layer, bitwise the same),
+    warps; 32 up to 64 pairs an expert; 128 rows on 128-wide output blocks beyond; FP4 experts beyond 128 pairs,
+    256 rows, so each widened weight serves twice the rows: the widening's integer work had matched the tensor work,
+    8192 tokens on the H100 took 9.99 against 11.64 ms per Flash layer, bitwise the same; not measured for FP8 and
+    bf16 experts),
     K blocks of 128 (the quantization block; ``BK`` is the largest K block, each GEMM takes the largest that fits
     its K in whole quantization blocks), each the fastest measured at V4-Flash's shape on the H200 (256 experts
     at 1, 64 and 8192 tokens, 16 at 64: benchmarks/RESULTS.md); the interpreter gets few, large programs (its
@@ -345,7 +347,7 @@ def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, c
         tiles = {"BM": 16, "BN1": 32, "BN2": 32, "num_warps": 2, "num_stages": 4}
     elif per_expert <= 64:
         tiles = {"BM": 32, "BN1": 64, "BN2": 64, "num_warps": 4, "num_stages": 3}
-    elif per_expert <= 128:
+    elif per_expert <= 128 or fmt != "fp4":
         tiles = {"BM": 128, "BN1": 128, "BN2": 128, "num_warps": 8, "num_stages": 3}
     else:
         tiles = {"BM": 256, "BN1": 64, "BN2": 128, "num_warps": 8, "num_stages": 2}
@@ -427,7 +429,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     else:
         s1, s3, s2 = w1, w3, w2
     pairs = tokens * top_k
-    config = config or launch_config(pairs, n_local, tokens, dim, inter, cuda)
+    config = config or launch_config(pairs, n_local, tokens, dim, inter, cuda, fmt)
     bm = config["BM"]
     e_block = triton_next_pow2(n_local)
     device = x.device
