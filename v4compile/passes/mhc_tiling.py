@@ -98,9 +98,11 @@ class MhcTiling(GraphPass):
     summary = "fuse the mHC pre step (split-K projection, sigmoids, Sinkhorn, stream sum) and post step into kernels"
     matches = ("hc_pre: linear(vec(X), fn) * rsqrt(mean(vec(X)^2)+eps) -> pre/post/comb mixes -> Sinkhorn -> "
                "sum_j pre_j X_j; hc_post: post*y + (comb.unsqueeze(-1) * X.unsqueeze(-2)).sum(-3)")
-    tolerance = 1e-2
+    tolerance = 2**-6
     """y and the new streams are bf16: a value next to a rounding boundary may land one bf16 step away (at most
-    2^-7 of it) where the fp32 sums differ from PyTorch's in their last bits; post and comb agree to about 1e-6."""
+    2^-7 of it) where the fp32 sums differ from PyTorch's in their last bits; post and comb agree to about 1e-6. A
+    post step spelled in bf16 arithmetic (``post.to(bf16) * y + matmul(comb.to(bf16)^T, X)``, transformers') rounds
+    the product, the mixing and their sum: its result and the op's single rounding may be two steps (2^-6) apart."""
 
     def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
         """Projections multiplied by an rsqrt (hc_pre, hc_head) and sums of a product of two unsqueezed
