@@ -154,6 +154,10 @@ class CompressorFusion(GraphPass):
             raise NoMatch("softmax with a dynamic shape")
         dim = node.args[1] % len(dims)
         mul = only_user(node, "softmax output has several users, not one weighted sum")
+        if is_op(mul, aten.to, aten._to_copy) and len(mul.users) == 1 and is_op(next(iter(mul.users)), aten.mul):
+            raise NoMatch(f"the softmax weights are cast to {mul.meta['val'].dtype} before the weighted sum (the "
+                          f"pooling rounds in that dtype, transformers' spelling): the kernel pools in fp32, which "
+                          f"moves entries by up to a {mul.meta['val'].dtype} step, beyond this pass's tolerance")
         if not is_op(mul, aten.mul) or len(mul.args) != 2 or node not in mul.args:
             raise NoMatch("softmax output is not multiplied into values (no weighted sum)")
         values = mul.args[1] if mul.args[0] is node else mul.args[0]

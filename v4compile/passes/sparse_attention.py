@@ -8,6 +8,12 @@ before ``einsum(probs, keys)``. Neither the gathered keys nor the [B,S,H,K] scor
 kernel, which keeps an online softmax (another summation order, hence the pass's tolerance). Indexer form
 (model/indexer.py ``index_scores``): ``(relu(einsum(q, keys)) * w).sum(heads)``. The top-k that follows the
 scores stays a separate kernel (``radix_topk``): scoring and selection are not fused on any backend yet.
+
+The indexer's dot product also matches as ``matmul(q, keys.transpose(-1, -2).unsqueeze(1))`` with the softmax
+scale applied to the relu'd dots (``relu(q . k) * c * w``, transformers' spelling): the op then takes ``w * c`` as
+its weights, an fp32 rounding apart. transformers' attention is dense (``softmax(q K^T * scale + mask)`` over every
+position with the sink appended, then ``matmul(probs, V)``): it has no entry index lists for the sparse kernel, and
+is reported as a near-miss saying so.
 """
 
 from __future__ import annotations
@@ -72,6 +78,26 @@ def _is_row_max(top: object, scores: fx.Node) -> bool:
     return is_op(top, aten.amax) and top.args[0] is scores and list(top.args[1]) in ([3], [-1])
 
 
+def _transposed_keys(node: fx.Node) -> fx.Node | None:
+    """keys [B, N, d] when ``node`` is ``matmul(q [B, S, H, d], keys.transpose(-1, -2).unsqueeze(1))`` (under
+    casts), the indexer's dot product spelled as a matmul; else None."""
+    right = _strip_casts(node.args[1])
+    if not is_op(right, aten.unsqueeze) or right.args[1] != 1 or len(shape(node.args[0]) or ()) != 4:
+        return None
+    keys = _strip_casts(right.args[0])
+    if not is_op(keys, aten.transpose) or sorted(d % 3 for d in keys.args[1:3]) != [1, 2]:
+        return None
+    return keys.args[0] if len(shape(keys.args[0]) or ()) == 3 else None
+
+
+def _dense_probs(node: fx.Node) -> fx.Node | None:
+    """The softmax whose probabilities (under casts and a column slice) are ``node``'s left operand, else None."""
+    left = _strip_casts(node.args[0])
+    while is_op(left, aten.slice, aten.detach, aten.clone):
+        left = _strip_casts(left.args[0])
+    return left if is_op(left, aten.softmax, aten._softmax) else None
+
+
 def _single_value(node: fx.Node) -> fx.Node:
     """``node``'s only user when that is a dtype cast (the region's real output), else ``node``."""
     users = list(node.users)
@@ -92,10 +118,17 @@ class SparseAttention(GraphPass):
     def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
         """The value product of the attention and the dot product of the indexer."""
         return [n for n in gm.graph.nodes
-                if is_op(n, aten.einsum) and n.args[0] in (ATTENTION_VALUES, INDEXER_DOTS)]
+                if is_op(n, aten.einsum) and n.args[0] in (ATTENTION_VALUES, INDEXER_DOTS)
+                or is_op(n, aten.matmul) and (_transposed_keys(n) is not None or _dense_probs(n) is not None)]
 
     def analyze(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
-        """Attention or indexer scoring, by the anchor's equation."""
+        """Attention or indexer scoring, by the anchor's equation (or matmul form)."""
+        if is_op(node, aten.matmul):
+            if _transposed_keys(node) is not None:
+                return self._indexer(node, ctx)
+            raise NoMatch("dense attention: a softmax over every position of q K^T with an additive mask, then "
+                          "matmul(probs, V); the sparse kernel reads the entries given by [B,S,K] index lists, which "
+                          "this form does not have")
         if node.args[0] == ATTENTION_VALUES:
             return self._attention(node, ctx)
         return self._indexer(node, ctx)
@@ -208,12 +241,19 @@ class SparseAttention(GraphPass):
         return valid.args[0]
 
     def _indexer(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
-        q, keys = _einsum(node, INDEXER_DOTS, "the indexer's dot product")
+        if is_op(node, aten.matmul):
+            q, keys = node.args[0], _transposed_keys(node)
+        else:
+            q, keys = _einsum(node, INDEXER_DOTS, "the indexer's dot product")
         users = list(node.users)
         if len(users) != 1 or not is_op(users[0], aten.relu):
             raise NoMatch("the dot products are not passed through one relu")
         relu = users[0]
         users = list(relu.users)
+        scale = None
+        if len(users) == 1 and is_op(users[0], aten.mul) and isinstance(users[0].args[1], float):
+            relu, scale = users[0], users[0].args[1]
+            users = list(relu.users)
         if len(users) != 1 or not is_op(users[0], aten.mul):
             raise NoMatch("the relu'd dots are not weighted per head")
         weighted = users[0]
@@ -230,18 +270,19 @@ class SparseAttention(GraphPass):
         dims = shape(q)
         if dims is None or len(dims) != 4:
             raise NoMatch("q is not [B,S,H,d]")
-        if (shape(q) or (0,))[-1] != (shape(keys) or (0,))[-1]:
-            raise NoMatch("q and keys differ in head dim")
         _kernel_dim_ok(dims[-1], "indexer")
         sink = _single_value(total)
-        if sink is total or sink.meta.get("val") is None or sink.meta["val"].dtype != torch.float32:
+        if sink.meta.get("val") is None or sink.meta["val"].dtype != torch.float32:
             raise NoMatch("the head sum is not returned as fp32 scores")
+        if scale is not None:
+            with node.graph.inserting_before(sink):
+                weights = node.graph.call_function(aten.mul.Tensor, (weights, scale))
         impl = ops.implementation_backend("indexer_scores", ctx.backend, q.meta.get("val"))
         dtype = q.meta["val"].dtype if q.meta.get("val") is not None else torch.float32
         name = (indexer_kernel_name(dims[-1], dtype, impl) if impl in ("triton", "tilelang")
                 else f"indexer_scores.d{dims[-1]}.{impl}")
         return Rewrite(sink, ops.indexer_scores, (q, _strip_casts(keys), weights, ctx.backend), name,
-                       {"form": "indexer scores", "heads": dims[2], "dim": dims[-1], "keys": (shape(keys) or (0,))[1],
+                       {"form": "indexer scores", "heads": dims[2], "dim": dims[-1], "keys": (shape(node) or (0,))[-1],
                         "fused_with_topk": False})
 
 
