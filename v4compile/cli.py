@@ -442,6 +442,8 @@ def _serve_bench(args: argparse.Namespace) -> int:
     from .runtime.engine import Engine
     from .runtime.workload import Workload, run_workload
 
+    if args.server:
+        return _client_bench(args)
     engine = Engine(_model(args), max_batch=args.conversations + 2)
     with _progress("serving the multi-turn workload"):
         report = run_workload(engine, Workload(conversations=args.conversations, turns=args.turns))
@@ -460,6 +462,52 @@ def _serve_bench(args: argparse.Namespace) -> int:
     console.print(table)
     console.print("bytes per cached token by pool: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in report.bytes_per_token.items()))
+    return 0
+
+
+def _client_bench(args: argparse.Namespace) -> int:
+    from .runtime.client_bench import drive
+
+    model = args.name or f"v4compile-{args.preset}"
+    with _progress(f"{args.requests} streamed requests from {args.clients} clients"):
+        report = drive(args.server, model, args.clients, args.requests, args.max_tokens, args.prompt)
+    summary = report.summary()
+    if args.json:
+        print(json.dumps({**summary, "errors": report.errors}, indent=1))
+    else:
+        table = Table(title=f"{args.server}: {args.clients} clients, {args.requests} requests of {args.max_tokens} "
+                            "tokens")
+        for key in summary:
+            table.add_column(key)
+        table.add_row(*(f"{v:.1f}" if isinstance(v, float) else str(v) for v in summary.values()))
+        console.print(table)
+        for error in report.errors[:3]:
+            console.print(f"[red]error:[/red] {error}", soft_wrap=True)
+    return 1 if report.failed == report.requests else 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import v4compile
+
+    from .runtime.engine import Engine
+    from .runtime.server import Server
+    from .runtime.text import Tokenizer
+
+    model = _model(args)
+    tokenizer = Tokenizer.from_folder(args.checkpoint) if args.checkpoint else Tokenizer.builtin()
+    if args.optimize:
+        with _progress("optimizing the model"):
+            model = v4compile.optimize(model, backend=args.backend)
+    name = args.name or (Path(args.checkpoint).name if args.checkpoint else f"v4compile-{args.preset}")
+    engine = Engine(model, max_batch=args.max_batch, tokenizer=tokenizer)
+    server = Server(engine, name, args.host, args.port)
+    console.print(f"serving {name!r} at {server.url} (completions, chat completions; Ctrl-C stops)")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
     return 0
 
 
@@ -528,11 +576,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print outputs, log-probs and cache stats as JSON")
     gen.set_defaults(func=_generate)
 
-    sb = sub.add_parser("serve-bench", help="the multi-turn agentic workload: prefix-cache hit rate and bytes")
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: /v1/completions and /v1/chat/completions, "
+                                       "streaming or not")
+    _add_target(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--name", help="the model name clients send (default: the folder's name, or v4compile-PRESET)")
+    srv.add_argument("--max-batch", type=_positive_int, default=8)
+    srv.add_argument("--optimize", action="store_true", help="serve v4compile.optimize(model) (compiles on first use)")
+    srv.set_defaults(func=_serve)
+
+    sb = sub.add_parser("serve-bench", help="the multi-turn agentic workload: prefix-cache hit rate and bytes; or, "
+                                            "with --server, concurrent clients against a running server")
     _add_target(sb)
     sb.add_argument("--conversations", type=int, default=4)
     sb.add_argument("--turns", type=int, default=4)
     sb.add_argument("--json", action="store_true", help="print the serving report as JSON")
+    sb.add_argument("--server", help="drive a running `v4compile serve` at this URL (http://HOST:PORT/v1) with "
+                                     "concurrent streaming clients: time to first token, chunk gaps, tokens/s")
+    sb.add_argument("--name", help="with --server: the served model name (default v4compile-PRESET)")
+    sb.add_argument("--clients", type=_positive_int, default=4)
+    sb.add_argument("--requests", type=_positive_int, default=16)
+    sb.add_argument("--max-tokens", type=_positive_int, default=64)
+    sb.add_argument("--prompt", default="Explain compressed sparse attention in one paragraph.")
     sb.set_defaults(func=_serve_bench)
 
     chk = sub.add_parser("check", help="optimized vs eager vs a golden folder")

@@ -48,6 +48,10 @@ class _Request:
     hidden: torch.Tensor | None = None
     routing: list[Routing] = field(default_factory=list)
     stopped: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop_ids: frozenset[int] = frozenset()
+    cancelled: bool = False
 
 
 class Engine:
@@ -117,7 +121,10 @@ class Engine:
         self.tail_every = tail_every
         self.speculate = False
         self.recording = False
-        self.stop_ids: frozenset[int] = frozenset()
+        self._waiting: deque[_Request] = deque()
+        self._prefilling: list[_Request] = []
+        self._decoding: list[_Request] = []
+        self._requests: dict[int, _Request] = {}
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device; it is on {self.device}")
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
@@ -149,32 +156,91 @@ class Engine:
             raise ValueError("text prompts need a tokenizer: Engine(model, tokenizer=Tokenizer.from_folder(folder)) "
                              "or Tokenizer.builtin()")
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-        if stop_ids is None:
-            stop_ids = self.tokenizer.eos_ids if self.tokenizer is not None else []
-        self.stop_ids = frozenset(int(i) for i in stop_ids)
-        self.speculate = mtp
-        self.recording = record_routing
         limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         if len(limits) != len(prompts):
             raise ValueError(f"{len(limits)} max_new_tokens for {len(prompts)} prompts")
-        outputs = [RequestOutput(index=i) for i in range(len(prompts))]
-        waiting: deque[_Request] = deque()
-        for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
-            try:
-                tokens = self._validate(prompt, limit)
-            except RequestError as exc:
-                outputs[i].error, outputs[i].finish_reason = str(exc), "error"
-                _LOG.info("request %d rejected: %s", i, exc)
-                continue
-            generator = None
-            if temperature > 0:
-                generator = torch.Generator().manual_seed((seed if seed is not None else 0) * 1_000_003 + i)
-            waiting.append(_Request(i, tokens, limit, generator, outputs[i]))
-        self._run(waiting, temperature, top_p)
+        self.speculate = mtp
+        self.recording = record_routing
+        outputs = [self.submit(prompt, limit, temperature, top_p, None if seed is None else seed * 1_000_003 + i,
+                               stop_ids, index=i)
+                   for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True))]
+        while self.busy:
+            self.step()
         if self.tokenizer is not None:
             for out in outputs:
                 out.text = self.tokenizer.decode(out.tokens)
         return outputs
+
+    def submit(self, prompt: list[int] | str, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int | None = None, stop_ids: list[int] | None = None, index: int = 0) -> RequestOutput:
+        """Queues one request for ``step`` to serve (a server's entry point; ``generate`` is submit-all, then step
+        until done) and returns its ``RequestOutput``, which fills as steps run; ``finish_reason`` is set once it is
+        done. A request the engine cannot serve comes back at once with ``error`` set (finish_reason "error").
+        ``seed`` makes a sampled request's tokens depend only on it; ``stop_ids`` as in ``generate``."""
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
+        out = RequestOutput(index=index)
+        try:
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise RequestError("a text prompt needs a tokenizer")
+                prompt = self.tokenizer.encode(prompt)
+            tokens = self._validate(prompt, max_new_tokens)
+        except RequestError as exc:
+            out.error, out.finish_reason = str(exc), "error"
+            _LOG.info("request %d rejected: %s", index, exc)
+            return out
+        if stop_ids is None:
+            stop_ids = self.tokenizer.eos_ids if self.tokenizer is not None else []
+        generator = torch.Generator().manual_seed(seed if seed is not None else index) if temperature > 0 else None
+        req = _Request(index, tokens, max_new_tokens, generator, out, temperature=temperature, top_p=top_p,
+                       stop_ids=frozenset(int(i) for i in stop_ids))
+        self._requests[id(out)] = req
+        self._waiting.append(req)
+        return out
+
+    def cancel(self, out: RequestOutput) -> None:
+        """Stops a submitted request (a client that went away): the next ``step`` drops it and frees its row,
+        its ``finish_reason`` becoming "abort". A request already finished is left as it is."""
+        req = self._requests.get(id(out))
+        if req is not None:
+            req.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        """Whether any submitted request is still waiting, prefilling or decoding."""
+        return bool(self._waiting or self._prefilling or self._decoding)
+
+    def step(self) -> None:
+        """One scheduling round: admits waiting requests into free prefill rows, computes one piece of every
+        prompt being prefilled (moving finished prompts to decode rows), then one decode step of every decode
+        row; cancelled requests are dropped first."""
+        with torch.no_grad():
+            self._drop_cancelled()
+            while self._waiting and len(self._prefilling) < self.max_prefills and \
+                    len(self._prefilling) + len(self._decoding) < self.max_batch:
+                self._prefilling.append(self._admit(self._waiting.popleft(), self._prefilling))
+            for req in list(self._prefilling):
+                if self._prefill_piece(req):
+                    self._prefilling.remove(req)
+                    if self._finished(req):
+                        continue
+                    req.row = len(self._decoding)
+                    self.decode_cache.copy_row(req.row, req.staging, 0)
+                    req.staging = None
+                    self._decoding.append(req)
+            if self._decoding and self.speculate:
+                self._speculative_step(self._decoding)
+            elif self._decoding:
+                self._decode_step(self._decoding)
+
+    def _drop_cancelled(self) -> None:
+        for queue in (self._waiting, self._prefilling):
+            for req in [r for r in queue if r.cancelled]:
+                queue.remove(req)
+                self._finished(req)
+        if any(r.cancelled for r in self._decoding):
+            self._compact(self._decoding)
 
     def weights_updated(self) -> None:
         """Call after changing the model's weights (an RL step): drops every cached prefix, whose KV the old
@@ -212,28 +278,6 @@ class Engine:
                                f"{self.max_seq_len}")
         return tokens
 
-    def _run(self, waiting: deque[_Request], temperature: float, top_p: float) -> None:
-        prefilling: list[_Request] = []
-        decoding: list[_Request] = []
-        with torch.no_grad():
-            while waiting or prefilling or decoding:
-                while waiting and len(prefilling) < self.max_prefills and \
-                        len(prefilling) + len(decoding) < self.max_batch:
-                    prefilling.append(self._admit(waiting.popleft(), prefilling))
-                for req in list(prefilling):
-                    if self._prefill_piece(req, temperature, top_p):
-                        prefilling.remove(req)
-                        if self._finished(req):
-                            continue
-                        req.row = len(decoding)
-                        self.decode_cache.copy_row(req.row, req.staging, 0)
-                        req.staging = None
-                        decoding.append(req)
-                if decoding and self.speculate:
-                    self._speculative_step(decoding)
-                elif decoding:
-                    self._decode_step(decoding, temperature, top_p)
-
     def _admit(self, req: _Request, prefilling: list[_Request]) -> _Request:
         used = {id(r.staging) for r in prefilling}
         req.staging = next(c for c in self.staging if id(c) not in used)
@@ -248,7 +292,7 @@ class Engine:
                   len(req.prompt), req.out.cache.cached_tokens)
         return req
 
-    def _prefill_piece(self, req: _Request, temperature: float, top_p: float) -> bool:
+    def _prefill_piece(self, req: _Request) -> bool:
         """Computes the next piece of the prompt; True when the prompt is done (first token sampled)."""
         start = req.done
         stop = min(len(req.prompt), (start // self.piece + 1) * self.piece)
@@ -268,7 +312,7 @@ class Engine:
             self.store.save(req.prompt[:stop], req.staging)
         if stop < len(req.prompt):
             return False
-        self._emit(req, self.model.logits(hidden[:, -1:])[0, 0], temperature, top_p)
+        self._emit(req, self.model.logits(hidden[:, -1:])[0, 0])
         if self.speculate:
             assert req.hidden is not None
             kept = req.hidden.shape[1]
@@ -299,7 +343,7 @@ class Engine:
                 req.row = row
         decoding[:] = keep
 
-    def _decode_step(self, decoding: list[_Request], temperature: float, top_p: float) -> None:
+    def _decode_step(self, decoding: list[_Request]) -> None:
         cache, ids, positions = self._step_inputs(decoding, speculative=False)
         routing = self._recorder()
         if self.graphs is not None and routing is None:
@@ -307,7 +351,7 @@ class Engine:
         else:
             logits = self.model.decode_step(ids, positions, cache, routing)
         for req in decoding:
-            self._emit(req, logits[req.row, 0], temperature, top_p)
+            self._emit(req, logits[req.row, 0])
             if routing is not None:
                 req.routing.append(_row(routing, req.row, 1))
         self._compact(decoding)
@@ -328,13 +372,13 @@ class Engine:
         for req in decoding:
             req.out.mtp_drafted += 1
             confirmed = int(logits[req.row, 0].argmax()) == req.draft
-            self._emit(req, logits[req.row, 0], 0.0, 1.0)
+            self._emit(req, logits[req.row, 0])
             kept = 2 if confirmed and not req.stopped and len(req.out.tokens) < req.max_new else 1
             if routing is not None:
                 req.routing.append(_row(routing, req.row, kept))
             if kept == 2:
                 req.out.mtp_accepted += 1
-                self._emit(req, logits[req.row, 1], 0.0, 1.0)
+                self._emit(req, logits[req.row, 1])
                 next_ids[req.row] = torch.tensor([req.draft, req.token])
                 accepted.append(req)
             else:
@@ -354,15 +398,17 @@ class Engine:
         """The draft for the token after ``req.token``: the MTP block's greedy choice."""
         return int(mtp_logits.argmax())
 
-    def _emit(self, req: _Request, logits: torch.Tensor, temperature: float, top_p: float) -> None:
-        token, logprob = sample(logits, temperature, top_p, req.generator)
+    def _emit(self, req: _Request, logits: torch.Tensor) -> None:
+        token, logprob = sample(logits, req.temperature, req.top_p, req.generator)
         req.token = token
         req.out.tokens.append(token)
         req.out.logprobs.append(logprob)
-        req.stopped = token in self.stop_ids
+        req.stopped = token in req.stop_ids
 
     def _finished(self, req: _Request) -> bool:
-        if req.stopped:
+        if req.cancelled:
+            req.out.finish_reason = "abort"
+        elif req.stopped:
             req.out.finish_reason = "stop"
         elif len(req.out.tokens) < req.max_new:
             return False
@@ -372,6 +418,7 @@ class Engine:
         if req.routing:
             req.out.routing = _concat(req.routing, len(req.prompt) + len(req.out.tokens) - 1)
             req.routing = []
+        self._requests.pop(id(req.out), None)
         return True
 
     def _recorder(self) -> Routing | None:
