@@ -139,7 +139,8 @@ class MoeDispatch(GraphPass):
     more times in bf16 (module docstring): measured up to 1.1% of max|y|."""
 
     def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
-        """``index_copy`` nodes whose source is a grouped matmul's output (the experts' outputs in pair order)."""
+        """``index_copy`` nodes whose source is a grouped matmul's output (the experts' outputs in pair order), and
+        grouped matmuls whose output is multiplied by per-pair weights (transformers' down projection)."""
         return [n for n in gm.graph.nodes if is_op(n, aten.index_copy) and len(n.args) >= 4
                 and is_op(_source(n.args[3]), aten._grouped_mm) or _weighted_after(n) is not None]
 
