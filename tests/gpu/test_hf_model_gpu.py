@@ -1,0 +1,60 @@
+"""transformers' DeepSeek-V4 optimized on the GPU with the default backend (Triton kernels, Inductor): the tiny random
+model of tests/passes/test_hf_model.py runs the kernels its report lists (mHC pre/post, the indexer's scoring, the
+score-routed layers' MoE), and its logits stay within the CPU test's bounds of transformers' eager output."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import v4compile
+from v4compile.codegen.registry import REGISTRY
+
+pytestmark = pytest.mark.gpu
+
+transformers = pytest.importorskip("transformers", reason="transformers (the dev extra) is not installed here")
+
+EXPECTED = {"mhc_pre": 8, "mhc_post": 8, "indexer_scores": 2, "moe_experts": 2}
+"""Rewrites per kernel family, as on the CPU (the MoE of the two score-routed layers; hash-routed ones decline)."""
+
+
+def _cpu_test() -> ModuleType:
+    """tests/passes/test_hf_model.py (its config and weight randomisation: one fixture for both tests)."""
+    path = Path(__file__).resolve().parents[1] / "passes" / "test_hf_model.py"
+    spec = importlib.util.spec_from_file_location("_hf_model_cpu_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _launches(family: str) -> int:
+    return sum(r.launches for name, r in REGISTRY.records.items() if name.startswith(f"{family}."))
+
+
+def test_transformers_v4_runs_our_kernels_on_cuda(tmp_path: Path) -> None:
+    cpu = _cpu_test()
+    config = transformers.DeepseekV4Config(**cpu.CONFIG)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV4ForCausalLM(config)
+    cpu._randomize(model, config)
+    model.save_pretrained(tmp_path, save_original_format=False)
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.randint(0, config.vocab_size, (1, cpu.SEQ), generator=torch.Generator().manual_seed(2)).cuda()
+    with torch.no_grad():
+        want = hf(ids).logits.float()[0]
+        optimized = v4compile.optimize(hf)
+        optimized(ids)  # compiles
+        before = {family: _launches(family) for family in EXPECTED}
+        got = optimized(ids).logits.float()[0]
+    kernels = [m.kernel for r in optimized.reports() for m in r.matches]
+    for family, count in EXPECTED.items():
+        names = [k for k in kernels if k.startswith(f"{family}.")]
+        assert len(names) == count and all(k.endswith(".triton") for k in names), (family, names)
+        assert _launches(family) > before[family], f"{family} is in the report but did not run"
+    assert F.cosine_similarity(got, want, dim=-1).median() > 0.9995
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
