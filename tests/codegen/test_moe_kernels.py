@@ -174,3 +174,22 @@ def test_misshapen_expert_tensors_are_named(expert_sets: dict, fmt: str, broken:
     weights, ids = routing(3, EXPERTS, TOP_K, seed=1)
     with pytest.raises(ValueError, match=re.escape(needle)):
         ops.moe_experts(x, weights, ids, 0, *tensors.values(), fmt, fmt == "fp4", LIMIT, "triton")
+
+
+@pytest.mark.parametrize(("fmt", "pow2"), [("fp4", True), ("bf16", False)])
+def test_halves_of_a_fused_gate_up_weight_are_read_in_place(expert_sets: dict, fmt: str, pow2: bool) -> None:
+    """w1 and w3 as the two halves of one [E, 2I, ...] tensor (transformers' fused ``gate_up_proj``): the same
+    results as separate tensors, bitwise."""
+    experts = expert_sets[(fmt, pow2)]
+    w1, w3, w2, s1, s3, s2 = weights_of(experts)
+    fused = torch.cat((w1, w3), dim=1)
+    scales = torch.cat((s1, s3), dim=1) if s1 is not None else None
+    halves = (fused[:, :INTER], fused[:, INTER:], w2) + ((scales[:, :INTER], scales[:, INTER:], s2) if s1 is not None
+                                                           else (None, None, None))
+    x = torch.randn(5, DIM, generator=torch.Generator().manual_seed(5)).bfloat16()
+    weights, ids = routing(5, EXPERTS, TOP_K, seed=5)
+    with torch.no_grad():
+        got = ops.moe_experts(x, weights, ids, 0, *halves, fmt, pow2, LIMIT, "triton")
+        want = ops.moe_experts(x, weights, ids, 0, w1, w3, w2, s1, s3, s2, fmt, pow2, LIMIT, "triton")
+    assert not halves[0].is_contiguous()
+    assert torch.equal(got, want)

@@ -403,6 +403,19 @@ def check_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1:
                              f"{'32 inputs' if fmt == 'fp4' else '128x128 block'}), got {got}")
 
 
+def _row_major(first: torch.Tensor, second: torch.Tensor, third: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The stacked tensors as the kernels read them: each expert's rows contiguous, at any expert stride, so halves
+    of a fused gate/up weight are read where they are, not copied per call; the gated pair (first, second) shares
+    one expert stride (copied when they differ)."""
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
+
+    first, second, third = rows(first), rows(second), rows(third)
+    if first.stride() != second.stride():
+        first, second = first.contiguous(), second.contiguous()
+    return first, second, third
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.bfloat16 else t.view(torch.uint8)
 
@@ -423,9 +436,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     cuda = x.device.type == "cuda"
     name = kernel_name(fmt)
     module = _module(fmt, cuda)
-    w1, w3, w2 = (_bytes(w.contiguous()) for w in (w1, w3, w2))
+    w1, w3, w2 = (_bytes(w) for w in _row_major(w1, w3, w2))
     if quantized:
-        s1, s3, s2 = (s.contiguous().view(torch.uint8) for s in (s1, s3, s2))
+        s1, s3, s2 = (s.view(torch.uint8) for s in _row_major(s1, s3, s2))
     else:
         s1, s3, s2 = w1, w3, w2
     pairs = tokens * top_k
