@@ -93,3 +93,46 @@ def assert_finished_entries() -> Callable[[torch.Tensor, torch.Tensor, bool, flo
             torch.testing.assert_close(got.float(), want.float(), rtol=0.13, atol=1e-2, equal_nan=True)
 
     return check
+
+
+def _randomize_hf_v4(model: torch.nn.Module) -> None:
+    """transformers initialises a V4's sinks, biases, position biases and norms to constants and its hash table to
+    zeros; random values make every tensor matter (hash rows are distinct experts, which both models count alike)."""
+    config = model.config
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "position_bias", ".base", "hc_base")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+            elif name.endswith("tid2eid"):
+                experts, k = config.n_routed_experts, config.num_experts_per_tok
+                b.copy_(torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(config.vocab_size)]))
+
+
+def _save_tiny_hf_v4(settings: dict[str, object], folder: Path) -> torch.nn.Module:
+    """A tiny random fp32 transformers ``DeepseekV4ForCausalLM`` of ``settings`` (its config keys) reloaded in bf16
+    (transformers then keeps its fp32 modules fp32, as in a real checkpoint) and saved in its module names in
+    ``folder``; returns the bf16 model."""
+    import transformers
+
+    config = transformers.DeepseekV4Config(**settings)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV4ForCausalLM(config)
+    _randomize_hf_v4(model)
+    fp32 = folder.with_name(folder.name + "-fp32")
+    model.save_pretrained(fp32, save_original_format=False)
+    bf16 = transformers.DeepseekV4ForCausalLM.from_pretrained(fp32, dtype=torch.bfloat16)
+    bf16.save_pretrained(folder, save_original_format=False)
+    return bf16
+
+
+@pytest.fixture(scope="session")
+def save_tiny_hf_v4() -> Callable[[dict[str, object], Path], torch.nn.Module]:
+    """``(settings, folder) -> bf16 model``: a tiny random transformers V4 saved as transformers saves it."""
+    return _save_tiny_hf_v4
+

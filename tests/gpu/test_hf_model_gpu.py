@@ -5,6 +5,7 @@ score-routed layers' MoE), and its logits stay within the CPU test's bounds of t
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -36,14 +37,10 @@ def _launches(family: str) -> int:
     return sum(r.launches for name, r in REGISTRY.records.items() if name.startswith(f"{family}."))
 
 
-def test_transformers_v4_runs_our_kernels_on_cuda(tmp_path: Path) -> None:
+def test_transformers_v4_runs_our_kernels_on_cuda(tmp_path: Path, save_tiny_hf_v4: Callable) -> None:
     cpu = _cpu_test()
-    config = transformers.DeepseekV4Config(**cpu.CONFIG)
-    torch.manual_seed(0)
-    model = transformers.DeepseekV4ForCausalLM(config)
-    cpu._randomize(model, config)
-    model.save_pretrained(tmp_path, save_original_format=False)
-    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda().eval()
+    hf = save_tiny_hf_v4(cpu.CONFIG, tmp_path / "bf16").cuda().eval()
+    config = hf.config
     ids = torch.randint(0, config.vocab_size, (1, cpu.SEQ), generator=torch.Generator().manual_seed(2)).cuda()
     with torch.no_grad():
         want = hf(ids).logits.float()[0]

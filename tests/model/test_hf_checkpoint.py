@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,45 +35,15 @@ HF_CONFIG = dict(
 """Every layer kind: window-only, C4 (indexer) and C128 attention; hash-routed (window and C4) and score-routed MoE."""
 
 
-def _randomize(model: torch.nn.Module, vocab: int, experts: int, topk: int) -> None:
-    """transformers initializes sinks, biases, position biases and norms to constants and the hash table to
-    zeros; random values make every tensor matter. Hash rows are distinct experts (see the MoE note below)."""
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("sinks", "position_bias", ".base", "hc_base")):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
-            elif name.endswith("tid2eid"):
-                b.copy_(torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(vocab)]))
-
-
-def _save_bf16(root: Path, name: str, tied: bool = False, **overrides: object) -> transformers.PreTrainedModel:
-    """A tiny random fp32 ``DeepseekV4ForCausalLM`` reloaded in bf16 (transformers then keeps its fp32 modules
-    fp32, as in a real checkpoint), saved in its module names as ``root/name``; returns the bf16 model."""
-    config = transformers.DeepseekV4Config(**{**HF_CONFIG, **overrides}, tie_word_embeddings=tied)
-    torch.manual_seed(0)
-    model = transformers.DeepseekV4ForCausalLM(config)
-    _randomize(model, config.vocab_size, config.n_routed_experts, config.num_experts_per_tok)
-    model.save_pretrained(root / f"{name}-fp32", save_original_format=False)
-    bf16 = transformers.DeepseekV4ForCausalLM.from_pretrained(root / f"{name}-fp32", dtype=torch.bfloat16)
-    bf16.save_pretrained(root / name, save_original_format=False)
-    return bf16
-
-
 @pytest.fixture(scope="module")
-def hf_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def hf_folders(tmp_path_factory: pytest.TempPathFactory, save_tiny_hf_v4: Callable) -> dict[str, Path]:
     """Folders as transformers saves a bf16 model: ``modules`` in its module names (``save_original_format=
     False``), ``original`` the same model in its default "original format", ``tied`` with tied embeddings,
     ``dense`` with ``index_topk`` above the C4 entry count (the indexer then keeps every entry)."""
     root = tmp_path_factory.mktemp("hf")
-    _save_bf16(root, "modules").save_pretrained(root / "original")
-    _save_bf16(root, "tied", tied=True)
-    _save_bf16(root, "dense", index_topk=64)
+    save_tiny_hf_v4({**HF_CONFIG, "tie_word_embeddings": False}, root / "modules").save_pretrained(root / "original")
+    save_tiny_hf_v4({**HF_CONFIG, "tie_word_embeddings": True}, root / "tied")
+    save_tiny_hf_v4({**HF_CONFIG, "tie_word_embeddings": False, "index_topk": 64}, root / "dense")
     return {name: root / name for name in ("modules", "original", "tied", "dense")}
 
 

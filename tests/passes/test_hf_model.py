@@ -49,35 +49,11 @@ NOT_YET = {
 near-miss that says why (compressor_finish follows compressor_fusion)."""
 
 
-def _randomize(model: torch.nn.Module, config: transformers.DeepseekV4Config) -> None:
-    """transformers initialises sinks, biases and norms to constants and the hash table to zeros: random values
-    make every tensor matter (hash rows are distinct experts, which both models count alike)."""
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("sinks", "position_bias", ".base", "hc_base")):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
-            elif name.endswith("tid2eid"):
-                experts, k = config.n_routed_experts, config.num_experts_per_tok
-                b.copy_(torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(config.vocab_size)]))
-
-
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def folder(tmp_path_factory: pytest.TempPathFactory, save_tiny_hf_v4: Callable) -> Path:
     """A tiny random transformers V4 saved in bf16 as transformers saves it (its fp32 modules kept fp32)."""
     root = tmp_path_factory.mktemp("hf")
-    config = transformers.DeepseekV4Config(**CONFIG)
-    torch.manual_seed(0)
-    model = transformers.DeepseekV4ForCausalLM(config)
-    _randomize(model, config)
-    model.save_pretrained(root / "fp32", save_original_format=False)
-    bf16 = transformers.DeepseekV4ForCausalLM.from_pretrained(root / "fp32", dtype=torch.bfloat16)
-    bf16.save_pretrained(root / "bf16", save_original_format=False)
+    save_tiny_hf_v4(CONFIG, root / "bf16")
     return root / "bf16"
 
 
