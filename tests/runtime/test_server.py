@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -178,3 +184,24 @@ def test_serve_bench_drives_the_server_with_concurrent_clients(server: Server,
     assert report["requests"] == 5 and report["failed"] == 0 and report["errors"] == []
     assert 5 <= report["completion_tokens"] <= 30 and report["tokens_per_s"] > 0
     assert 0 < report["ttft_p50_ms"] <= report["ttft_p90_ms"]
+
+
+def test_the_serve_command_serves_a_checkpoint_folder_with_its_tokenizer(tmp_path: Path) -> None:
+    """`v4compile serve --checkpoint DIR` as a user starts it: the folder's tokenizer and name, then SIGINT stops it."""
+    model = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=0)
+    v4compile.save(model, tmp_path / "tiny-ckpt")
+    Tokenizer.builtin().save(tmp_path / "tiny-ckpt")
+    process = subprocess.Popen([sys.executable, "-m", "v4compile.cli", "serve", "--checkpoint",
+                                str(tmp_path / "tiny-ckpt"), "--port", "0"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"})
+    try:
+        line = ""
+        while "serving" not in line:
+            line = process.stdout.readline()
+            assert line or process.poll() is None, "the server exited before serving"
+        url = re.search(r"http://[\d.]+:\d+/v1", line).group(0)
+        status, reply = _call(url + "/completions", {"model": "tiny-ckpt", "prompt": "hi", "max_tokens": 4})
+        assert status == 200 and reply["usage"]["prompt_tokens"] == 2, reply
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
