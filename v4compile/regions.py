@@ -212,8 +212,12 @@ def _dynamic_settings(sequence: bool) -> Iterator[None]:
     recompile, which would make whatever size differed from an earlier compile symbolic, a cache's too, and give
     the passes sizes they cannot rewrite for). With the sequence dynamic also a chunk's start position, a Python
     int Dynamo otherwise specialises on (the blocks take it as a keyword, the MTP step as a parameter); a start of
-    0 stays its own graph (Dynamo specialises 0 and 1), so every other start shares one."""
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+    0 stays its own graph (Dynamo specialises 0 and 1), so every other start shares one. A decode call also
+    captures ops whose output size depends on data (``x[mask]``: HiSparse's CPU row copy) instead of breaking the
+    graph there: the frame resumed after a break would lose the unbacked batch (torch raises
+    ``PendingUnbackedSymbolNotFound``)."""
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False,
+                                    capture_dynamic_output_shape_ops=not sequence and UNBACKED_BATCH):
         if not sequence:
             yield
             return
