@@ -128,30 +128,45 @@ class Regions:
 
 
 def mark_dynamic_dims(args: tuple[Any, ...], kwargs: dict[str, Any], sequence: bool = False) -> None:
-    """Marks the dims of a region call that vary in serving dynamic, after clearing what earlier calls marked on
-    the same tensors (a cache serves prefill and decode; Dynamo guards on the marks, so a stale one would
-    recompile). The batch: dim 0 of every tensor argument (inside caches, routing records and lists too) whose
-    first size is the first argument's. A decode call (``sequence`` False) marks it unbacked under one name
-    (``UNBACKED_BATCH``) from batch 1 on, so the first decode compiles the graph that every later batch, 1
-    included, reuses. A sequence call marks it backed when above 1 (batch 1 is its own graph: Dynamo specialises
-    sizes of 1), and also the sequence: dim 1 of the leading tensor arguments (the streams and the ids) and of the
-    replayed routing records (experts and indexer entries per position), so one graph serves every length."""
+    """Marks the dims of a region call that vary in serving dynamic, replacing what earlier calls marked on the
+    same tensors (a cache serves prefill and decode; Dynamo guards on the marks, so a stale one would recompile).
+    The batch: dim 0 of every tensor argument (inside caches, routing records and lists too) whose first size is
+    the first argument's. A decode call (``sequence`` False) marks it unbacked under one name (``UNBACKED_BATCH``)
+    from batch 1 on, so the first decode compiles the graph that every later batch, 1 included, reuses. A
+    sequence call marks it backed when above 1 (batch 1 is its own graph: Dynamo specialises sizes of 1), and also
+    the sequence: dim 1 of the leading tensor arguments (the streams and the ids) and of the replayed routing
+    records (experts and indexer entries per position), so one graph serves every length. A tensor already marked
+    so (a cache, step after step) is left as it is: marking costs microseconds a tensor on every region call."""
     first = args[0] if args else None
-    batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() > 0 else None
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        return
+    batch = first.shape[0]
     unbacked = not sequence and UNBACKED_BATCH
-    hint = batch if batch is None or batch > 1 else BATCH_HINT
+    kind = "unbacked" if unbacked else "dynamic" if batch > 1 else None
+    hint = batch if batch > 1 else BATCH_HINT
+    lengths: set[int] = set()
+    if sequence:
+        lengths = {id(v) for v in args[:2] if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] > 1}
+        for routing in (*args, *kwargs.values()):
+            if isinstance(routing, Routing) and routing.replay:
+                lengths.update(id(v) for v in (*routing.experts, *routing.indexer)
+                               if isinstance(v, torch.Tensor) and v.shape[1] == first.shape[1] > 1)
 
     def mark(value: Any) -> None:
         if isinstance(value, torch.Tensor):
+            want = (kind if value.dim() and value.shape[0] == batch else None, id(value) in lengths)
+            if value.__dict__.get(_MARKED, (None, False)) == want:
+                return
             for attr in _MARKS:
                 if attr in value.__dict__:
                     delattr(value, attr)
-            if batch is None or value.dim() == 0 or value.shape[0] != batch:
-                return
-            if unbacked:
+            if want[0] == "unbacked":
                 torch._dynamo.decorators.mark_unbacked(value, 0, hint_override=hint, shape_id="batch")
-            elif batch > 1:
+            elif want[0] == "dynamic":
                 torch._dynamo.maybe_mark_dynamic(value, 0)
+            if want[1]:
+                torch._dynamo.maybe_mark_dynamic(value, 1)
+            setattr(value, _MARKED, want)
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
             for f in dataclasses.fields(value):
                 mark(getattr(value, f.name))
@@ -161,16 +176,6 @@ def mark_dynamic_dims(args: tuple[Any, ...], kwargs: dict[str, Any], sequence: b
 
     mark(args)
     mark(list(kwargs.values()))
-    if not sequence or batch is None:
-        return
-    for value in args[:2]:
-        if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[1] > 1:
-            torch._dynamo.maybe_mark_dynamic(value, 1)
-    for routing in (*args, *kwargs.values()):
-        if isinstance(routing, Routing) and routing.replay:
-            for value in (*routing.experts, *routing.indexer):
-                if isinstance(value, torch.Tensor) and value.shape[1] == first.shape[1] > 1:
-                    torch._dynamo.maybe_mark_dynamic(value, 1)
 
 
 def decode_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -241,5 +246,8 @@ batch 1 (a template traced at size 1 would specialise it)."""
 
 _MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
           "_dynamo_strict_unbacked_indices", "_dynamo_static_indices", "_dynamo_shape_ids", "_dynamo_hint_overrides",
-          "_dynamo_unbacked_bounds")
+          "_dynamo_unbacked_bounds", "_specialize_on", "_has_dynamo_dim_marking")
 """The attributes torch's ``mark_dynamic`` / ``maybe_mark_dynamic`` / ``mark_unbacked`` set on a tensor."""
+
+_MARKED = "_v4compile_marked"
+"""A tensor's attribute saying how ``mark_dynamic_dims`` last marked it: (dim 0's kind, dim 1 marked)."""
