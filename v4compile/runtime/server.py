@@ -16,6 +16,7 @@ import select
 import socket
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -181,8 +182,9 @@ class _Handler(BaseHTTPRequestHandler):
         parse = chat_request if chat else completion_request
         return parse(body, self.server.tokenizer, self.server.model_name, self.server.max_len)
 
-    def _events(self, ticket: Ticket):  # noqa: ANN202 (a generator of ("text", delta) / ("done"|"error", str))
-        """Text deltas of the ticket's tokens with stop strings cut (and held back while they could begin one)."""
+    def _events(self, ticket: Ticket) -> Iterator[tuple[str, str]]:
+        """("text", delta) for the ticket's tokens, stop strings cut (and held back while they could begin one),
+        then ("done", finish reason) or ("error", message)."""
         tokens: list[int] = []
         shown = ""
         stop = ticket.params.stop
