@@ -95,6 +95,27 @@ def assert_finished_entries() -> Callable[[torch.Tensor, torch.Tensor, bool, flo
     return check
 
 
+TINY_HF_V4 = dict(
+    vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+    head_dim=128, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=4, o_groups=2, o_lora_rank=16,
+    index_n_heads=2, index_head_dim=64, index_topk=4, sliding_window=8, partial_rotary_factor=0.5,
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                 "compressed_sparse_attention"],
+    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+    rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
+                     "beta_fast": 32, "beta_slow": 1},
+    max_position_embeddings=1024, tie_word_embeddings=False,
+)
+"""A tiny transformers ``DeepseekV4Config`` with every layer kind: window-only, C4 (indexer) and C128 attention;
+hash-routed (window and C4) and score-routed MoE."""
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_v4_settings() -> dict[str, object]:
+    """``TINY_HF_V4``, a copy per test session."""
+    return dict(TINY_HF_V4)
+
+
 def _randomize_hf_v4(model: torch.nn.Module) -> None:
     """transformers initialises a V4's sinks, biases, position biases and norms to constants and its hash table to
     zeros; random values make every tensor matter (hash rows are distinct experts, which both models count alike)."""

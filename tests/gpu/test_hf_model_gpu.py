@@ -37,9 +37,10 @@ def _launches(family: str) -> int:
     return sum(r.launches for name, r in REGISTRY.records.items() if name.startswith(f"{family}."))
 
 
-def test_transformers_v4_runs_our_kernels_on_cuda(tmp_path: Path, save_tiny_hf_v4: Callable) -> None:
+def test_transformers_v4_runs_our_kernels_on_cuda(tmp_path: Path, save_tiny_hf_v4: Callable,
+                                                   tiny_hf_v4_settings: dict) -> None:
     cpu = _cpu_test()
-    hf = save_tiny_hf_v4(cpu.CONFIG, tmp_path / "bf16").cuda().eval()
+    hf = save_tiny_hf_v4(tiny_hf_v4_settings, tmp_path / "bf16").cuda().eval()
     config = hf.config
     ids = torch.randint(0, config.vocab_size, (1, cpu.SEQ), generator=torch.Generator().manual_seed(2)).cuda()
     with torch.no_grad():

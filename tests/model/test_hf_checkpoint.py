@@ -21,29 +21,17 @@ transformers = pytest.importorskip("transformers")
 
 SEQ = 160  # past one C128 block and 40 C4 entries, so every layer kind attends to compressed entries
 
-HF_CONFIG = dict(
-    vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-    head_dim=128, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=4, o_groups=2, o_lora_rank=16,
-    index_n_heads=2, index_head_dim=64, index_topk=4, sliding_window=8, partial_rotary_factor=0.5,
-    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                 "compressed_sparse_attention"],
-    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
-    rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
-                     "beta_fast": 32, "beta_slow": 1},
-    max_position_embeddings=1024,
-)
-"""Every layer kind: window-only, C4 (indexer) and C128 attention; hash-routed (window and C4) and score-routed MoE."""
-
 
 @pytest.fixture(scope="module")
-def hf_folders(tmp_path_factory: pytest.TempPathFactory, save_tiny_hf_v4: Callable) -> dict[str, Path]:
+def hf_folders(tmp_path_factory: pytest.TempPathFactory, save_tiny_hf_v4: Callable,
+               tiny_hf_v4_settings: dict) -> dict[str, Path]:
     """Folders as transformers saves a bf16 model: ``modules`` in its module names (``save_original_format=
     False``), ``original`` the same model in its default "original format", ``tied`` with tied embeddings,
     ``dense`` with ``index_topk`` above the C4 entry count (the indexer then keeps every entry)."""
     root = tmp_path_factory.mktemp("hf")
-    save_tiny_hf_v4({**HF_CONFIG, "tie_word_embeddings": False}, root / "modules").save_pretrained(root / "original")
-    save_tiny_hf_v4({**HF_CONFIG, "tie_word_embeddings": True}, root / "tied")
-    save_tiny_hf_v4({**HF_CONFIG, "tie_word_embeddings": False, "index_topk": 64}, root / "dense")
+    save_tiny_hf_v4(tiny_hf_v4_settings, root / "modules").save_pretrained(root / "original")
+    save_tiny_hf_v4({**tiny_hf_v4_settings, "tie_word_embeddings": True}, root / "tied")
+    save_tiny_hf_v4({**tiny_hf_v4_settings, "index_topk": 64}, root / "dense")
     return {name: root / name for name in ("modules", "original", "tied", "dense")}
 
 
@@ -59,8 +47,8 @@ def _hf_logits(folder: Path, ids: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 
 
 @pytest.fixture(scope="module")
-def ids() -> torch.Tensor:
-    return torch.randint(0, HF_CONFIG["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(2))
+def ids(tiny_hf_v4_settings: dict) -> torch.Tensor:
+    return torch.randint(0, tiny_hf_v4_settings["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(2))
 
 
 def _relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
@@ -114,7 +102,7 @@ def test_both_transformers_namings_and_tied_embeddings_load(hf_folders: dict[str
     assert torch.equal(tied.head.weight, tied.embed.weight.float())
 
 
-def test_round_trip_is_bitwise(hf_folders: dict[str, Path], tmp_path: Path) -> None:
+def test_round_trip_is_bitwise(hf_folders: dict[str, Path], tmp_path: Path, tiny_hf_v4_settings: dict) -> None:
     """transformers -> v4compile -> transformers: every tensor of our ``format="hf"`` file equals transformers'
     own file bit for bit (same names, dtypes, layouts), transformers reads the folder back, and the official
     format reloads to the same model."""
@@ -126,7 +114,7 @@ def test_round_trip_is_bitwise(hf_folders: dict[str, Path], tmp_path: Path) -> N
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
     reread = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path / "hf")
-    assert reread.config.layer_types == HF_CONFIG["layer_types"]
+    assert reread.config.layer_types == tiny_hf_v4_settings["layer_types"]
     save(model, tmp_path / "official")
     again = v4compile.load(tmp_path / "official")
     for name, tensor in model.state_dict().items():

@@ -23,20 +23,6 @@ from v4compile.passes.sparse_attention import SparseAttention
 
 transformers = pytest.importorskip("transformers")
 
-CONFIG = dict(
-    vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-    head_dim=128, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=4, o_groups=2, o_lora_rank=16,
-    index_n_heads=2, index_head_dim=64, index_topk=4, sliding_window=8, partial_rotary_factor=0.5,
-    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                 "compressed_sparse_attention"],
-    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
-    rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
-                     "beta_fast": 32, "beta_slow": 1},
-    max_position_embeddings=1024, tie_word_embeddings=False,
-)
-"""Window-only, C4 (indexer) and C128 attention; hash-routed and score-routed MoE (tests/model/test_hf_checkpoint.py's
-config)."""
-
 SEQ = 160  # past one C128 block and 40 C4 entries: every layer kind attends to compressed entries
 
 NOT_YET = {
@@ -50,10 +36,11 @@ near-miss that says why (compressor_finish follows compressor_fusion)."""
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory, save_tiny_hf_v4: Callable) -> Path:
+def folder(tmp_path_factory: pytest.TempPathFactory, save_tiny_hf_v4: Callable,
+           tiny_hf_v4_settings: dict) -> Path:
     """A tiny random transformers V4 saved in bf16 as transformers saves it (its fp32 modules kept fp32)."""
     root = tmp_path_factory.mktemp("hf")
-    save_tiny_hf_v4(CONFIG, root / "bf16")
+    save_tiny_hf_v4(tiny_hf_v4_settings, root / "bf16")
     return root / "bf16"
 
 
@@ -63,7 +50,7 @@ def runs(folder: Path) -> dict[str, object]:
     once more with every rewritten region checked against the graph it replaced, and our model of the same folder
     optimized as one whole graph."""
     hf = transformers.DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    ids = torch.randint(0, CONFIG["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, hf.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(2))
     with pytest.warns(UserWarning, match="no MTP tensors"):
         ours = v4compile.load(folder).eval()
     with torch.no_grad():
