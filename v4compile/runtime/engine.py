@@ -155,7 +155,6 @@ class Engine:
         if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer: Engine(model, tokenizer=Tokenizer.from_folder(folder)) "
                              "or Tokenizer.builtin()")
-        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
         limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         if len(limits) != len(prompts):
             raise ValueError(f"{len(limits)} max_new_tokens for {len(prompts)} prompts")
