@@ -103,7 +103,7 @@ SEQUENCE_CALLS = ("forward", "hidden_states", "mtp_logits", "logits")
 sequence length dynamic from the first call on, so a new prompt length compiles only when the model's code tells its
 shape apart from every earlier one (a remainder of 1 or 0 after the compressor's blocks, no complete C128 block yet,
 fewer entries than the indexer's top-k, ...). The dynamic graphs run every kernel a length's own graphs would (the
-compressor's block count and the indexer's k are run-time values) at their speed (benchmarks/RESULTS.md); a length of
+compressor's block count and the indexer's k are run-time values) at their speed (benchmarks/NOTES.md); a length of
 1 has its own graphs (Dynamo specialises sizes of 1). Replayed routing records share the graphs (their length is
 marked too)."""
 WHOLE_GRAPH_ENTRIES = ("forward", "decode_step", "hidden_states", "mtp_logits")

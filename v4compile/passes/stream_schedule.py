@@ -18,7 +18,7 @@ branches are named from the nodes' ``nn_module_stack`` (or code place). The pass
 
 On by default for CUDA graphs whose products have at most ``max_rows`` rows (decode steps, short prompts): on the
 H200 the whole decode step gains 2-8% and an 8192-token prefill loses 9% (its kernels fill the device alone, and
-region borders cost Inductor fusions; RESULTS.md). CPU graphs are planned only when a ``target`` is given (the
+region borders cost Inductor fusions; NOTES.md). CPU graphs are planned only when a ``target`` is given (the
 ``v4compile schedule`` report).
 
 Execution (CUDA only; on CPU the plan is a report and the graph runs unchanged). The backend builds a
@@ -94,7 +94,7 @@ class StreamSchedule(GraphPass):
         "target": "the target to plan for (v4compile/targets.py); default: the graph's GPU, sm90 on CPU",
         "min_branch_us": "estimated microseconds a branch must cost to get a stream of its own (default 10)",
         "max_rows": "graphs whose largest matrix product has more rows stay on one stream (default 1024: on the "
-                    "H200 streams shorten decode steps and lengthen an 8192-token prefill, RESULTS.md)",
+                    "H200 streams shorten decode steps and lengthen an 8192-token prefill, NOTES.md)",
     }
 
     def __init__(self, **options: Any) -> None:

@@ -99,7 +99,7 @@ def takes(q: torch.Tensor) -> bool:
 def launch_config(rows: int, n_keys: int, cuda: bool, sms: int = 132) -> dict[str, int]:
     """128 keys a tile against all heads, 64 keys per warp group (two), streamed through three stages; a block
     takes a power of two of a row's tiles, as many as leave about one block per SM (``sms``, 132 on the H200),
-    at most 16 and never more than the row has (H200 sweep: benchmarks/RESULTS.md). Small tiles on the ``c``
+    at most 16 and never more than the row has (H200 sweep: benchmarks/NOTES.md). Small tiles on the ``c``
     target."""
     if not cuda:
         return {"block_n": 32, "tiles": 2, "stages": 1, "threads": 128}

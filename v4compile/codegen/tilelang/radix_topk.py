@@ -250,7 +250,7 @@ MAX_CANDIDATES = 1 << 25
 def launch_config(n: int, k: int, cuda: bool) -> dict[str, int]:
     """Group size (a power of two leaving at least ``8k`` groups, so about k candidates pass the threshold, and at
     most 64 candidates a thread: fewer groups keep the threshold's histograms short, which costs more than the
-    group maxima, H200 profile in benchmarks/RESULTS.md), threads per block, candidates per collecting block,
+    group maxima, H200 profile in benchmarks/NOTES.md), threads per block, candidates per collecting block,
     candidate room, and the ranking split (about one candidate per ranking thread for ``2k`` gathered). Small
     blocks on the ``c`` target, where a block's threads run one after another."""
     group = max(1, min(64, 1 << max(0, (n // (8 * k)).bit_length() - 1)))

@@ -127,7 +127,7 @@ def launch_config(m: int, n: int, k: int, cuda: bool) -> dict[str, int]:
     once and is latency-bound, so a long K (16+ blocks) is split into up to eight ranges summed afterwards in
     a fixed order; the split depends only on K, so a row's sums do not depend on the batch. Prefill walks eight
     row tiles per band of column tiles. FP8 tensor-core dots where the scales allow. From an H200 sweep
-    (RESULTS.md); the interpreter gets few, large programs."""
+    (NOTES.md); the interpreter gets few, large programs."""
     if not cuda:
         return {"BM": min(64, triton_next_pow2(max(m, 1))), "BN": min(64, triton_next_pow2(n)), "BR": 64,
                 "num_warps": 4, "num_stages": 1, "FP8_DOT": 0, "GROUP": 1, "SPLIT": 1}

@@ -28,7 +28,7 @@ per 32) that Triton widens to bf16 in registers, exactly, on Hopper; the bf16 pr
 activation's are exact in fp32 and the tensor cores accumulate in fp32, so only the summation order differs from
 the model. Scales are widened without NaN handling (``fast_math``, 10-35% faster): exact for every scale byte the
 quantizer writes (1..254, ``quant.float_to_e8m0`` over floored amaxes); a byte 0 (2^-127) would read as 0.
-Native FP8 dots were measured slower at every tile size and sum in about 14 bits (benchmarks/RESULTS.md).
+Native FP8 dots were measured slower at every tile size and sum in about 14 bits (benchmarks/NOTES.md).
 Triton's CPU interpreter cannot multiply bf16 tensors and its dot is numpy's unblocked matmul loop: there the
 weights are dequantized in registers to fp32 (each FP4 128-block's activation stored even columns first, to pair
 with the low and high nibbles of the packed bytes) and multiplied by a broadcast product and sum (``tl_dot``
@@ -337,7 +337,7 @@ def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, c
     bf16 experts),
     K blocks of 128 (the quantization block; ``BK`` is the largest K block, each GEMM takes the largest that fits
     its K in whole quantization blocks), each the fastest measured at V4-Flash's shape on the H200 (256 experts
-    at 1, 64 and 8192 tokens, 16 at 64: benchmarks/RESULTS.md); the interpreter gets few, large programs (its
+    at 1, 64 and 8192 tokens, 16 at 64: benchmarks/NOTES.md); the interpreter gets few, large programs (its
     cost is per program and op, not per element). ``programs``: a GEMM with fewer programs than this splits its K
     into parts until it has about that many (one token on the H100: the gated GEMM's 384 programs fill under half
     a wave, two parts took the layer from 94.3 to 86.5 us; more parts were slower)."""

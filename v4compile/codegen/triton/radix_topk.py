@@ -317,7 +317,7 @@ def launch_config(rows: int, n: int, k: int, cuda: bool) -> dict[str, int]:
     the GPU and bandwidth counts), how the collect reads (every tile for few rows on the GPU; else only
     runs above the threshold, RB per program, HB at a time), candidate room, and the ranking split: small
     blocks over many programs for few rows, larger ones once rows fill the GPU, and programmatic dependent
-    launch where the GPU has it (sm_90+); H200 sweeps, the iteration notes in benchmarks/RESULTS.md.
+    launch where the GPU has it (sm_90+); H200 sweeps, the iteration notes in benchmarks/NOTES.md.
     Grid sizes follow from these (``_derived``), so overriding any of them keeps the launch consistent."""
     group = max(1, min(256, 1 << max(0, (n // (2 * k)).bit_length() - 1)))
     few = rows < 16 or not cuda
