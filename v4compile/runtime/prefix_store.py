@@ -27,6 +27,12 @@ class Hit:
     recompute_tokens: int
 
 
+def default_chunk(config: V4Config) -> int:
+    """The prefix-cache granule: 128 tokens (a C128 block, 32 C4 blocks), or the window if larger, rounded
+    up to a multiple of 128."""
+    return max(128, -(-config.window_size // 128) * 128)
+
+
 class PrefixStore:
     """ShadowRadix over ``PrefixPools`` sized to ``budget`` device bytes (the ``c4`` pool, when ``host_c4``, sized
     alike in host memory), caching prefixes in ``chunk``-token granules."""
