@@ -32,7 +32,7 @@ import torch
 import v4compile
 from v4compile.model.cache import LayerCache, V4Cache
 from v4compile.model.linear import Linear
-from v4compile.runtime.engine import plan_rows
+from v4compile.runtime.cache_manager import plan_rows
 from v4compile.runtime.hisparse import (
     HiSparse,
     HiSparseCache,

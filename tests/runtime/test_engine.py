@@ -174,7 +174,7 @@ def test_cuda_graph_decode_equals_launched_decode(model: DeepSeekV4, hisparse: b
     launched = run(Engine(gpu, cuda_graphs=False, **options))
     graphed = Engine(gpu, **options)
     assert run(graphed) == launched
-    assert graphed.graphs is not None and sorted(graphed.graphs.graphs) == [1, 2, 3]
+    assert graphed.runner.graphs is not None and sorted(graphed.runner.graphs.graphs) == [1, 2, 3]
     recorded = graphed.generate([_ids(50, 9)], 3, record_routing=True)[0]
     plain = Engine(gpu, **options).generate([_ids(50, 9)], 3)[0]
     assert recorded.routing is not None and recorded.tokens == plain.tokens

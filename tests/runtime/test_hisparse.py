@@ -118,7 +118,7 @@ def test_admission_counts_the_host_tier(model: DeepSeekV4) -> None:
     assert (off.max_batch, off.max_prefills, on.max_prefills) == (4, 1, 1)
     assert on.max_batch == (4 * full) // device_row_bytes(config, length) == 8
     assert on.hisparse is not None
-    row = on.decode_cache.rows(0, 1).nbytes() + on.hisparse.slot_map[:-1].nbytes // on.max_batch
+    row = on.caches.decode.rows(0, 1).nbytes() + on.hisparse.slot_map[:-1].nbytes // on.max_batch
     assert row == device_row_bytes(config, length)
 
 
