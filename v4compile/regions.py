@@ -80,10 +80,11 @@ class Regions:
         mtp = compile_fn(model._mtp)
 
         def mtp_region(hidden: torch.Tensor, next_ids: torch.Tensor, k: int, *args: Any, **kwargs: Any) -> Any:
-            if not self._sequence:
+            unbacked = not self._sequence and unbacked_batch((hidden,))
+            if unbacked:
                 (hidden, next_ids, *args), kwargs = decode_args((hidden, next_ids, *args), kwargs)
             mark_dynamic_dims((hidden, next_ids, *args), kwargs, self._sequence)
-            with progress.region(f"mtp.{k}"), _dynamic_settings(self._sequence):
+            with progress.region(f"mtp.{k}"), _dynamic_settings(self._sequence, unbacked):
                 return mtp(hidden, next_ids, k, *args, **kwargs)
 
         self.mtp = mtp_region
@@ -117,10 +118,11 @@ class Regions:
         it, with the dims ``mark_dynamic_dims`` picks dynamic."""
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            if not self._sequence:
+            unbacked = not self._sequence and unbacked_batch(args)
+            if unbacked:
                 args, kwargs = decode_args(args, kwargs)
             mark_dynamic_dims(args, kwargs, self._sequence)
-            with progress.region(region, scoped), _dynamic_settings(self._sequence):
+            with progress.region(region, scoped), _dynamic_settings(self._sequence, unbacked):
                 return compiled(*args, **kwargs)
 
         call.__qualname__ = call.__name__ = what
@@ -131,8 +133,8 @@ def mark_dynamic_dims(args: tuple[Any, ...], kwargs: dict[str, Any], sequence: b
     """Marks the dims of a region call that vary in serving dynamic, replacing what earlier calls marked on the
     same tensors (a cache serves prefill and decode; Dynamo guards on the marks, so a stale one would recompile).
     The batch: dim 0 of every tensor argument (inside caches, routing records and lists too) whose first size is
-    the first argument's. A decode call (``sequence`` False) marks it unbacked under one name (``UNBACKED_BATCH``)
-    from batch 1 on, so the first decode compiles the graph that every later batch, 1 included, reuses. A
+    the first argument's. A decode call (``sequence`` False) marks it unbacked under one name from batch 1 on (where
+    ``unbacked_batch`` says so), so the first decode compiles the graph that every later batch, 1 included, reuses. A
     sequence call marks it backed when above 1 (batch 1 is its own graph: Dynamo specialises sizes of 1), and also
     the sequence: dim 1 of the leading tensor arguments (the streams and the ids) and of the replayed routing
     records (experts and indexer entries per position), so one graph serves every length. A tensor already marked
@@ -141,7 +143,7 @@ def mark_dynamic_dims(args: tuple[Any, ...], kwargs: dict[str, Any], sequence: b
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         return
     batch = first.shape[0]
-    unbacked = not sequence and UNBACKED_BATCH
+    unbacked = not sequence and unbacked_batch(args)
     kind = "unbacked" if unbacked else "dynamic" if batch > 1 else None
     hint = batch if batch > 1 else BATCH_HINT
     lengths: set[int] = set()
@@ -212,7 +214,7 @@ def _contiguous_strides(sizes: torch.Size) -> tuple[int, ...]:
 
 
 @contextmanager
-def _dynamic_settings(sequence: bool) -> Iterator[None]:
+def _dynamic_settings(sequence: bool, unbacked: bool = False) -> Iterator[None]:
     """Dynamo's settings for a region call: only the marked dims are dynamic (no automatic dynamic shapes on a
     recompile, which would make whatever size differed from an earlier compile symbolic, a cache's too, and give
     the passes sizes they cannot rewrite for). With the sequence dynamic also a chunk's start position, a Python
@@ -222,7 +224,7 @@ def _dynamic_settings(sequence: bool) -> Iterator[None]:
     graph there: the frame resumed after a break would lose the unbacked batch (torch raises
     ``PendingUnbackedSymbolNotFound``)."""
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False,
-                                    capture_dynamic_output_shape_ops=not sequence and UNBACKED_BATCH):
+                                    capture_dynamic_output_shape_ops=unbacked):
         if not sequence:
             yield
             return
@@ -234,6 +236,19 @@ CHUNK_START_SOURCES = "L['kwargs']['start'],L['start']"
 """Dynamo's names for a chunk's start int in the frames regions compile: a block's ``_call_impl(*args, **kwargs)``
 and the MTP step's ``_mtp(..., start=...)``."""
 
+
+def unbacked_batch(args: tuple[Any, ...]) -> bool:
+    """Whether a decode call with these arguments marks its batch unbacked: where torch can (``UNBACKED_BATCH``) and
+    on the devices this was validated on (``UNBACKED_DEVICES``, read from the first argument)."""
+    first = args[0] if args else None
+    return UNBACKED_BATCH and isinstance(first, torch.Tensor) and first.device.type in UNBACKED_DEVICES
+
+
+UNBACKED_DEVICES = {"cpu"}
+"""Devices whose decode marks the batch unbacked. CUDA joins once tests/gpu/test_regions_gpu.py::
+test_decode_at_batch_1_compiles_the_graphs_every_batch_reuses_on_cuda has passed on a GPU (not yet run): with an
+unbacked batch a graph break inside a decode region raises instead of specialising, so until then CUDA decode keeps
+batch 1 a graph of its own, as before."""
 
 UNBACKED_BATCH = {"hint_override", "shape_id"} <= set(
     inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters)
