@@ -4,8 +4,10 @@ Each row runs in fresh processes: the first with empty cache directories (Induct
 registry's, all under one temporary directory: cold), the second with the directories the first left (warm). A
 process builds the model (random weights drawn on the device), optimizes it, and times the first decode step at
 batch 1 over a ``--context``-token cache (optimize is lazy, so this is capture + passes + Inductor + kernel
-builds + the step), then the first step of a second decode bucket (batch 16: the graph every batch of 2 and more
-shares compiles here) and of a further one (batch 64: served by that graph, no compile). Then the first prefill
+builds + the step), then the first step of a second decode bucket (batch 16) and of a further one (batch 64): on
+the CPU the first step's graphs have the batch unbacked and serve both, so neither compiles a graph (on CUDA, until
+``regions.UNBACKED_DEVICES`` names it, batch 16 compiles the graph every batch of 2 and more shares). Then the first
+prefill
 at each of ``--lengths`` prompt lengths (batch 1): the graphs have the sequence dynamic, so a length compiles only
 when the model's code tells its shape apart from the earlier ones (a remainder of 0, 1 or more after the
 compressor's blocks, fewer blocks than the top-k, ...).

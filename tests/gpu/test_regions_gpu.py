@@ -55,3 +55,41 @@ def test_new_prompt_lengths_on_cuda_run_the_kernels_and_agree_with_eager(golden_
         assert found == kernels[graph.split("-")[0]], graph
     later = {k for _, k in kernels["forward.layers.1,3-1"]}
     assert any(k.startswith("compressor_entries") for k in later) and any(k.startswith("radix_topk") for k in later)
+
+
+def test_decode_at_batch_1_compiles_the_graphs_every_batch_reuses_on_cuda(
+        golden_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first decode (batch 1) compiles the unbacked-batch graphs; batches 4, 16 and 1 again compile no frame.
+    The graphs carry every kernel the static batch-1 graphs do, and each batch's logits agree with eager's within
+    the golden band. (CUDA is not yet in ``regions.UNBACKED_DEVICES``: this test turns it on, and passing is what
+    adds it.)"""
+    import v4compile.regions as regions
+
+    monkeypatch.setattr(regions, "UNBACKED_DEVICES", {"cpu", "cuda"})
+
+    folder = golden_root / "tiny-bf16"
+    model = v4compile.load(folder, device="cuda").eval()
+    prompt = GoldenFolder.read(folder).cases[-1].ids.cuda()[:1, :200]
+
+    def decode(fn: object, batch: int) -> torch.Tensor:
+        ids = prompt.repeat(batch, 1)
+        cache = model.new_cache(batch)
+        with torch.no_grad():
+            model.hidden_states(ids[:, :-1], cache)
+            return fn.decode_step(ids[:, -1:].contiguous(), torch.full((batch,), ids.shape[1] - 1, device="cuda"),
+                                  cache)
+
+    optimized = v4compile.optimize(model)
+    counts = []
+    for batch in (1, 4, 16, 1):
+        agreement = Agreement.of(decode(optimized, batch), decode(model, batch))
+        assert agreement.in_band(), (batch, agreement.line())
+        counts.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert counts[1:] == counts[:1] * 3, counts
+    kernels = {r.graph: sorted((m.pass_name, m.kernel) for m in r.matches) for r in optimized.reports()
+               if r.graph.startswith("decode_step.")}
+    monkeypatch.setattr(regions, "mark_dynamic_dims", lambda args, kwargs, sequence=False: None)
+    static = v4compile.optimize(model)
+    decode(static, 1)
+    assert {r.graph: sorted((m.pass_name, m.kernel) for m in r.matches) for r in static.reports()} == kernels
+    assert any(k.startswith("sparse_attention") for found in kernels.values() for _, k in found)

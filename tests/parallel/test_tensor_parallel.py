@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 import v4compile
 from v4compile.model import quant
 from v4compile.model.checkpoint import Checkpoint, read_tensors
-from v4compile.model.parallel import Placement
+from v4compile.model.parallel import Placement, _side_by_side
 
 FOLDERS = ("tiny-bf16", "tiny-fp8-fp4")
 OPTIMIZED = "tiny-fp8-fp4"
@@ -127,6 +127,22 @@ def test_optimized_tp2_logits_match_single_process(tp2: dict, tp1: dict) -> None
         "prefill and decode each capture one graph per region (each kind of layer, the head), collectives included"
     matched = {row["pass"] for row in result["report"] if row["matches"]}
     assert {"compressor_fusion", "radix_topk", "sparse_attention"} <= matched, result["report"]
+
+
+def test_all_gather_concatenates_the_ranks_in_one_graph_over_an_unbacked_batch() -> None:
+    """The head's all-gather puts the ranks' vocabulary parts side by side (``cat(chunk(...), -1)``) without
+    breaking a decode graph: ``chunk`` over the unbacked batch guarded on it being 0 and split the head in two."""
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return _side_by_side(torch.cat([x, x + 1]), 2)
+
+    compiled = torch.compile(gather, backend="eager", fullgraph=True)
+    for batch in (1, 3):
+        x = torch.randn(batch, 1, 5)
+        torch._dynamo.decorators.mark_unbacked(x, 0, hint_override=2, shape_id="batch")
+        assert torch.equal(compiled(x), torch.cat([x, x + 1], dim=-1))
+    for shape in ((6,), (4, 6), (4, 2, 3, 5)):
+        gathered = torch.randn(shape)
+        assert torch.equal(_side_by_side(gathered, 2), torch.cat(gathered.chunk(2), dim=-1))
 
 
 def _assert_equal_state(got: torch.nn.Module, want: torch.nn.Module) -> None:

@@ -165,7 +165,16 @@ def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 def _all_gather(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
     ops = torch.ops._c10d_functional
     gathered = ops.wait_tensor(ops.all_gather_into_tensor(x.contiguous(), size, group))
-    return torch.cat(gathered.chunk(size, dim=0), dim=-1)
+    return _side_by_side(gathered, size)
+
+
+def _side_by_side(gathered: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``size`` ranks' parts stacked along dim 0 (what ``all_gather_into_tensor`` returns) concatenated along
+    the last dim instead, as a view and one copy: ``torch.cat(gathered.chunk(size), -1)`` computes the same, but
+    ``chunk`` of a dim whose size is unbacked (the decode batch) guards on it being 0, which Dynamo cannot, so the
+    head's graph broke in two there."""
+    parts = gathered.view(size, gathered.shape[0] // size, *gathered.shape[1:])
+    return parts.movedim(0, -2).reshape(*parts.shape[1:-1], size * parts.shape[-1])
 
 
 @torch.library.custom_op("v4compile::tp_sum", mutates_args=())

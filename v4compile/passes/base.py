@@ -155,6 +155,20 @@ def is_op(node: Any, *targets: Any) -> bool:
     return False
 
 
+def size_hint(value: torch.SymInt) -> int | None:
+    """The size a SymInt stands for in the call its graph was traced for: its hint, or for an unbacked size (a
+    decode batch, ``regions.mark_dynamic_dims``) the hint the marking gave it; None for a size that depends on
+    data."""
+    hint = value.node.hint
+    if hint is not None:
+        return int(hint)
+    expr = value.node.expr
+    overrides = getattr(value.node.shape_env, "var_to_hint_override", None) or {}
+    if expr.free_symbols and expr.free_symbols <= overrides.keys():
+        return int(expr.xreplace(overrides))
+    return None
+
+
 class SymDim:
     """A dynamic size in a pass's view of a shape (a batch or sequence dimension compiled for every size). It
     compares equal to what it is provably equal to, without a guard (a guard would pin the compiled graph to
@@ -171,8 +185,7 @@ class SymDim:
     @property
     def hint(self) -> int | None:
         """The size of the call this graph was first compiled for (None for a data-dependent size)."""
-        hint = self.value.node.hint
-        return None if hint is None else int(hint)
+        return size_hint(self.value)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, SymDim):
@@ -208,9 +221,9 @@ def _size(s: int | torch.SymInt) -> int | SymDim:
     known to be a multiple of 4); else a ``SymDim``."""
     if is_concrete_int(s):
         return int(s)
-    hint = s.node.hint
-    if hint is not None and statically_known_true(s == int(hint)):
-        return int(hint)
+    hint = size_hint(s)
+    if hint is not None and statically_known_true(s == hint):
+        return hint
     return SymDim(s)
 
 

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from .base import dtype, is_op, locate, skip_noop_slices
+from .base import dtype, is_op, locate, size_hint, skip_noop_slices
 
 aten = torch.ops.aten
 _IGNORED_KWARGS = ("device",)
@@ -165,8 +165,7 @@ def _size_value(value: Any) -> int | None:
         return None
     val = value.meta.get("val", value.meta.get("example_value"))
     if isinstance(val, torch.SymInt):
-        hint = val.node.hint
-        return None if hint is None else int(hint)
+        return size_hint(val)
     return None
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from ..model.cache import CompressorCache, LayerCache, V4Cache, compressor_cache
 from ..model.config import V4Config
@@ -180,7 +181,9 @@ class HiSparse:
         bsz, steps, k = chosen.shape
         if steps > 4:
             raise ValueError(f"HiSparse takes at most 4 tokens per row and step, got {steps}")
-        if bsz * (steps * k + 1) > self.hot_entries:
+        # guard_or_false: a compiled decode's batch is unbacked (no guard can be made on it; a graph break there
+        # would lose it), so there the check is the engine's, made once for its largest bucket
+        if guard_or_false(bsz * (steps * k + 1) > self.hot_entries):
             self.check_capacity(self.hot_entries, bsz, steps)
         timed = self.timing and not torch.cuda.is_current_stream_capturing()
         start = self._event() if timed else None

@@ -14,6 +14,8 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..base import size_hint
+
 META_KEY = "stream_schedule"
 """``node.meta`` key holding a node's ``(stream, thread)``, and ``gm.meta`` key holding the plan."""
 
@@ -180,8 +182,8 @@ def _hint(size: Any) -> int:
     """A count as an int for an estimate: a dynamic one (a SymInt) at the size the graph was traced for, read
     without a guard (``int()`` would pin the graph to that size); 1 when it depends on data."""
     if isinstance(size, torch.SymInt):
-        hint = size.node.hint
-        return 1 if hint is None else int(hint)
+        hint = size_hint(size)
+        return 1 if hint is None else hint
     return int(size)
 
 
