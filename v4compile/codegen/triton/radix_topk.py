@@ -311,20 +311,28 @@ def kernel_name(k: int, backend: str = "triton") -> str:
     return f"radix_topk.k{k}.{backend}"
 
 
+SKIP_RUNS_FROM = 131072
+"""Row length from which many rows collect only the runs above the threshold on the GPU. Below it every tile is
+read: 8192 rows of 2048 took 946 against 4480 us, 64 rows of 65536 39.5 against 58.5 (H100, scratch sweep; the
+skipping collect spends a [HB, TILE_G] tile on two runs when rows are short)."""
+
+
 def launch_config(rows: int, n: int, k: int, cuda: bool) -> dict[str, int]:
     """Group size (about two strided groups per wanted key: a small table for the threshold, at the price
     of ~1.4k gathered candidates), 16+ groups per group-maxima program (64-byte runs; 128 once rows fill
-    the GPU and bandwidth counts), how the collect reads (every tile for few rows on the GPU; else only
-    runs above the threshold, RB per program, HB at a time), candidate room, and the ranking split: small
-    blocks over many programs for few rows, larger ones once rows fill the GPU, and programmatic dependent
-    launch where the GPU has it (sm_90+); H200 sweeps, the iteration notes in benchmarks/NOTES.md.
-    Grid sizes follow from these (``_derived``), so overriding any of them keeps the launch consistent."""
+    the GPU and bandwidth counts), how the collect reads (every tile on the GPU unless many rows are long,
+    ``SKIP_RUNS_FROM``; else only runs above the threshold, RB per program, HB at a time), candidate room,
+    and the ranking split: small blocks over many programs for few rows, larger ones once rows fill the GPU,
+    and programmatic dependent launch where the GPU has it (sm_90+); H200 sweeps, the iteration notes in
+    benchmarks/NOTES.md. Grid sizes follow from these (``_derived``), so overriding any of them keeps the
+    launch consistent."""
     group = max(1, min(256, 1 << max(0, (n // (2 * k)).bit_length() - 1)))
     few = rows < 16 or not cuda
     return {"BLOCK": min((512 if rows < 16 else 1024) if cuda else 256, triton_next_pow2(max(n, 16))),
             "GROUP": group,
             "TILE_G": min(triton_next_pow2(triton.cdiv(n, group)), max(16 if rows < 16 else 32, 4096 // group)),
-            "SKIP_RUNS": int(not (cuda and rows < 16)), "RB": 64 if few else 256, "HB": 8 if few else 16,
+            "SKIP_RUNS": int(not cuda or (rows >= 16 and n >= SKIP_RUNS_FROM)), "RB": 64 if few else 256,
+            "HB": 8 if few else 16,
             "CAP": max(4096, 4 * triton_next_pow2(k)), "RANK": (8 if rows < 16 else 64) if cuda else 256,
             "SPAN": 1024 if few else 256,
             "PDL": int(cuda and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
