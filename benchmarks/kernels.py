@@ -471,7 +471,8 @@ SECTIONS: dict[str, Callable[[dict[str, float], bool], list[Row]]] = {
                                        compressor_entries_row(c, q, 4, 128, True)]
     + [compressor_entry_state_row(c, q, batch, ratio) for ratio in (4, 128) for batch in (1, 16, 64, 256)],
     "topk": lambda c, q: [topk_row(c, q, batch, k) for batch, k in ((1, 512), (64, 512), (1, 1024), (256, 512))]
-    + [topk_row(c, q, 1, 2048, n=1 << 20), topk_row(c, q, 1, 512, ties=True)],
+    + [topk_row(c, q, 1, 2048, n=1 << 20), topk_row(c, q, 1, 512, ties=True),
+       topk_row(c, q, 8192, 512, n=2048), topk_row(c, q, 64, 512, n=65536)],  # an 8K prefill; 64 rows at 256K
     "attention": lambda c, q: [sparse_attention_row(c, q, batch) for batch in (1, 16, 64, 128)],
     "head_padding": lambda c, q: [head_padding_row(c, q, batch) for batch in (1, 16, 64)],
     "indexer": lambda c, q: [indexer_scores_row(c, q, batch) for batch in (1, 16, 64)],
