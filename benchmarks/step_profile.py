@@ -31,7 +31,7 @@ COPY_RATE = 4.25e12  # bytes/s, device-to-device copy measured on the H200 (shar
 FP8_RATE = 1256e12  # FLOP/s, FP8 torch._scaled_mm at 8192^3 measured there (benchmarks/gemm.py)
 CATEGORIES = (("MoE", ("moe",)), ("attention", ("sparse_attention", "attention")), ("compressor", ("compressor",)),
               ("top-k", ("radix", "topk", "sort")), ("mHC", ("mhc",)), ("indexer", ("indexer",)),
-              ("dense GEMM", ("gemm", "gemv", "matmul", "_mm", "cutlass", "xmma", "splitk", "fp8_quant",
+              ("dense GEMM", ("gemm", "gemv", "matmul", "_mm", "cutlass", "xmma", "nvjet", "splitk", "fp8_quant",
                                 "split_sum")))
 
 

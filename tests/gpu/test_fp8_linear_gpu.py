@@ -14,7 +14,7 @@ import torch
 
 from v4compile.codegen import ops
 from v4compile.codegen.registry import REGISTRY
-from v4compile.codegen.triton.fp8_linear import fp8_linear, kernel_name, launch_config
+from v4compile.codegen.triton.fp8_linear import blockwise_scaled_mm, fp8_linear, kernel_name, launch_config
 from v4compile.model import quant
 from v4compile.model.linear import Linear
 
@@ -44,7 +44,7 @@ def test_matches_the_models_fp8_linear(rows: int, n: int, k: int, pow2: bool, fp
     gen = torch.Generator(device="cuda").manual_seed(k)
     x = (torch.randn(rows, k, generator=gen, device="cuda") * 3).bfloat16()
     want = layer.unrounded(x)
-    config = launch_config(rows, n, k, True) | {"FP8_DOT": fp8_dot}
+    config = launch_config(rows, n, k, True) | {"FP8_DOT": fp8_dot, "CUBLAS": 0}
     got = fp8_linear(x, layer.weight, layer.scale, pow2, config=config)
     assert torch.equal(fp8_linear(x, layer.weight, layer.scale, pow2, torch.bfloat16, config=config), got.bfloat16())
     exact = not (pow2 and fp8_dot)
@@ -52,6 +52,20 @@ def test_matches_the_models_fp8_linear(rows: int, n: int, k: int, pow2: bool, fp
     assert rel_err(got, want) < (1e-5 if exact else 5e-4)
     assert (got.bfloat16() != layer(x)).float().mean().item() <= (0.01 if exact else 0.08)
     assert REGISTRY.records[kernel_name()].error is None
+
+
+@pytest.mark.skipif(blockwise_scaled_mm() is None, reason="this torch or GPU has no block-scaled FP8 GEMM")
+@pytest.mark.parametrize(("rows", "n", "k"), [(65, 4096, 8192), (333, 1024, 4096), (2048, 4096, 2048)])
+def test_prefill_rows_on_cublas_match_the_model(rows: int, n: int, k: int) -> None:
+    """Prefill rows with bf16 out take torch's block-scaled GEMM: the Triton dot's FP8 tolerance (one-ulp flips of
+    the model's bf16 output on under 8% of the elements), so within one bf16 rounding of the unrounded product."""
+    layer = fp8_layer(k, n, True, seed=rows + n)
+    x = (torch.randn(rows, k, generator=torch.Generator(device="cuda").manual_seed(k), device="cuda") * 3).bfloat16()
+    assert launch_config(rows, n, k, True)["CUBLAS"] == 1
+    got = fp8_linear(x, layer.weight, layer.scale, True, torch.bfloat16)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    assert rel_err(got, layer.unrounded(x)) < 2**-8
+    assert (got != layer(x)).float().mean().item() <= 0.08
 
 
 def test_replays_in_a_cuda_graph() -> None:
