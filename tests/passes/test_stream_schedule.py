@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from rich.console import Console
 from torch import fx
 
 import v4compile
@@ -239,8 +238,8 @@ def test_disabled_by_name_and_planned_for_one_stream_it_does_nothing(decode: dic
 def test_the_schedule_command_prints_branches_streams_and_events(decode: dict[str, Any],
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setattr(cli, "console", Console(width=250))
-    monkeypatch.setattr(cli, "_schedule_plans", lambda args: [("decode", decode["plan"])])
+    monkeypatch.setattr(cli.console, "width", 250)
+    monkeypatch.setattr(cli.compiler, "_schedule_plans", lambda args: [("decode", decode["plan"])])
     assert cli.main(["schedule"]) == 0
     out = capsys.readouterr().out
     assert "decode: target sm90 (4 streams)" in out and "regions" in out
