@@ -32,12 +32,12 @@ from kernels import capture_graph  # benchmarks/kernels.py: the CUDA-graph captu
 from torch import fx
 
 import v4compile
-from v4compile.backend import to_aten
+from v4compile.backend import inductor_compile, to_aten
 from v4compile.model import quant
 from v4compile.optimize import resolve_backend
 from v4compile.passes import build_passes
-from v4compile.passes import stream_schedule as ss
 from v4compile.passes.manager import PassManager
+from v4compile.stream_runner import StreamRunner, as_is, executable_segments
 
 MODELS: dict[str, tuple[dict[str, Any], int]] = {
     "tiny": (dict(name="tiny"), 256),
@@ -133,14 +133,14 @@ def row(name: str, batch: int, inductor: bool, min_branch_us: float) -> dict[str
     CUDA-graph replay, are bitwise equal (to the whole graph's, and scheduled to regions on one stream)."""
     model, cache, context = model_and_cache(name, batch)
     gm, fakes, args = capture(model, cache, batch, context, min_branch_us)
-    found = ss.executable_segments(gm)
+    found = executable_segments(gm)
     if found is None:
         raise RuntimeError(f"{name} b{batch}: the schedule put nothing on a side stream")
     _, segs = found
-    region = ss.compile_inductor if inductor else (lambda module, inputs: module)
+    region = inductor_compile if inductor else as_is
     with torch.no_grad():
-        streamed = ss.StreamRunner(gm, segs, fakes, region)
-        whole = ss.compile_inductor(gm, fakes) if inductor else gm
+        streamed = StreamRunner(gm, segs, fakes, region)
+        whole = inductor_compile(gm, fakes) if inductor else gm
 
     def one_stream(*inputs: Any) -> Any:
         streamed.overlap = False

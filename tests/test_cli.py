@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 
 from v4compile import cli
 from v4compile.cli import main
@@ -17,7 +16,7 @@ from v4compile.cli import main
 
 @pytest.fixture(autouse=True)
 def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "console", Console(width=250))
+    monkeypatch.setattr(cli.console, "width", 250)
 
 
 def test_passes_lists_every_pass(capsys: pytest.CaptureFixture) -> None:

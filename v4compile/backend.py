@@ -4,7 +4,8 @@ Dynamo hands over a torch-level graph; it is retraced into a pre-dispatch ATen g
 applied, so a rewrite into a custom op with an autograd formula is valid for training), rewritten by
 the pass manager, then compiled by Inductor, which runs AOTAutograd (forward and backward graphs)
 and compiles everything the passes did not claim. With ``inductor=False`` or a numerics check the
-rewritten graph runs as is (eagerly), which is what the debugging tools use.
+rewritten graph runs as is (eagerly), which is what the debugging tools use. A CUDA inference graph the
+``stream_schedule`` pass annotated runs as regions on side streams (the executor: :mod:`v4compile.stream_runner`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from . import progress
 from .codegen.ops import reference_decompositions
 from .passes import build_passes
 from .passes.manager import GraphReport, PassManager, summarize
-from .passes.stream_schedule import scheduled
 from .passes.summary import PassSummary
+from .stream_runner import as_is, scheduled
 
 
 def to_aten(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
@@ -93,7 +94,9 @@ def make_backend(manager: PassManager, inductor: bool = True,
         rewritten, _ = manager.run(aten_gm)
         if manager.check:
             return rewritten
-        streamed = scheduled(rewritten, example_inputs, inductor)
+        # regions compile as the whole graph would (eager's bf16 rounding emulated, e8m0 inputs on the CPU as
+        # bytes), so streamed and unstreamed code round alike
+        streamed = scheduled(rewritten, example_inputs, inductor_compile if inductor else as_is)
         if streamed is not None:
             return streamed
         if not inductor:

@@ -13,18 +13,20 @@ from typing import Any
 
 import pytest
 import torch
-from rich.console import Console
 from torch import fx
 
 import v4compile
 from v4compile import cli
-from v4compile.backend import make_backend
+from v4compile.backend import inductor_compile, make_backend
 from v4compile.debugging import sample_ids
 from v4compile.optimize import resolve_backend
 from v4compile.passes import PASSES, build_passes
-from v4compile.passes import stream_schedule as ss
 from v4compile.passes.manager import PassManager, summarize
-from v4compile.passes.streams.dag import written_input
+from v4compile.passes.streams.dag import META_KEY, dependency_graph, written_input
+from v4compile.passes.streams.naming import module_path
+from v4compile.passes.streams.plan import Plan, make_plan
+from v4compile.passes.streams.segments import happens_before, unordered_edges
+from v4compile.stream_runner import StreamRunner, executable_segments, scheduled
 from v4compile.targets import target
 
 
@@ -70,13 +72,13 @@ def decode(tiny_model: v4compile.DeepSeekV4) -> dict[str, Any]:
     got = _capture(tiny_model, manager, ids, cache)
     got["manager"] = manager
     got["plan"] = next(p for p in manager.passes if p.name == "stream_schedule").plans[0]
-    got["dag"] = ss.dependency_graph(got["rewritten"].graph)
+    got["dag"] = dependency_graph(got["rewritten"].graph)
     return got
 
 
 def test_on_cpu_the_graph_runs_unchanged(decode: dict[str, Any]) -> None:
     assert isinstance(decode["returned"], fx.GraphModule)
-    assert ss.scheduled(decode["rewritten"], decode["fakes"], inductor=True) is None
+    assert scheduled(decode["rewritten"], decode["fakes"], inductor_compile) is None
     stats = next(p for p in decode["manager"].reports[0].passes if p.name == "stream_schedule")
     assert stats.enabled and stats.matches
     assert all(m.kernel == "-" and m.details["target"] == "sm90" for m in stats.matches)
@@ -96,7 +98,7 @@ def test_by_default_cpu_graphs_and_prefill_sized_graphs_stay_on_one_stream(tiny_
         assert stats.enabled and not stats.matches
         assert len(stats.near_misses) == 1 and re.fullmatch(re.escape(reason) if options is None else reason,
                                                             stats.near_misses[0].reason)
-        assert not any(ss.META_KEY in n.meta for n in got["rewritten"].graph.nodes)
+        assert not any(META_KEY in n.meta for n in got["rewritten"].graph.nodes)
 
 
 def test_every_node_is_scheduled_once_and_every_dependency_is_ordered(decode: dict[str, Any]) -> None:
@@ -106,11 +108,11 @@ def test_every_node_is_scheduled_once_and_every_dependency_is_ordered(decode: di
     assert in_segments == plan.launch
     position = {n: i for i, n in enumerate(plan.launch)}
     assert all(position[u] < position[v] for u, v in dag.edges)
-    assert ss.unordered_edges(dag, plan.segments) == []
-    dag2, segs = ss.executable_segments(decode["rewritten"])
+    assert unordered_edges(dag, plan.segments) == []
+    dag2, segs = executable_segments(decode["rewritten"])
     assert [[n.name for n in s.nodes] for s in segs] == [[n.name for n in s.nodes] for s in plan.segments]
     assert [s.waits for s in segs] == [s.waits for s in plan.segments]
-    assert ss.unordered_edges(dag2, segs) == []
+    assert unordered_edges(dag2, segs) == []
     streams = {s.stream for s in segs}
     assert streams == set(range(target("sm90")["streams"]))
     memory = [e for e in dag.edges(data=True) if e[2]["kind"] == "memory"]
@@ -127,7 +129,7 @@ def test_branches_that_may_run_side_by_side_are_independent(decode: dict[str, An
         for succ in dag.successors(node):
             reach[node] |= reach[succ] | bit[succ]
     segs = plan.segments
-    before = ss.happens_before(segs)
+    before = happens_before(segs)
     own = [sum(bit[n] for n in s.nodes) for s in segs]
     downstream = [0] * len(segs)
     for s in segs:
@@ -143,8 +145,8 @@ def test_branches_that_may_run_side_by_side_are_independent(decode: dict[str, An
     assert concurrent > 10
 
 
-def _majority_stream(plan: ss.Plan, prefixes: tuple[str, ...]) -> int:
-    counts = Counter(plan.stream_of[n] for n in plan.launch if ss.module_path(n).startswith(prefixes))
+def _majority_stream(plan: Plan, prefixes: tuple[str, ...]) -> int:
+    counts = Counter(plan.stream_of[n] for n in plan.launch if module_path(n).startswith(prefixes))
     return counts.most_common(1)[0][0]
 
 
@@ -166,8 +168,8 @@ def test_a_c4_layer_runs_query_window_compressor_and_indexer_apart(decode: dict[
 
 def test_the_split_run_equals_the_whole_graph_bitwise(decode: dict[str, Any]) -> None:
     gm = decode["rewritten"]
-    _, segs = ss.executable_segments(gm)
-    runner = ss.StreamRunner(gm, segs, decode["fakes"], lambda module, inputs: module)
+    _, segs = executable_segments(gm)
+    runner = StreamRunner(gm, segs, decode["fakes"], lambda module, inputs: module)
     whole = [a.clone() if isinstance(a, torch.Tensor) else a for a in decode["args"]]
     split = [a.clone() if isinstance(a, torch.Tensor) else a for a in decode["args"]]
     with torch.no_grad():
@@ -199,10 +201,10 @@ def test_inductor_regions_run_on_cpu_within_bf16_rounding_of_the_whole_graph() -
         model(ids, cache=cache)
     got = _capture(model, PassManager(build_passes(list(PASSES), SM90), backend="reference"), ids, cache)
     gm = got["rewritten"]
-    _, segs = ss.executable_segments(gm)
+    _, segs = executable_segments(gm)
     before, whole, split = (_inputs_like_capture(got) for _ in range(3))
     with torch.no_grad():
-        runner = ss.StreamRunner(gm, segs, got["fakes"], ss.compile_inductor)
+        runner = StreamRunner(gm, segs, got["fakes"], inductor_compile)
         want, out = gm(*whole)[0], runner(*split)[0]
     assert not [n for region in runner.regions for n in region.inputs if written_input(n) is not None]
     rows, want_rows = out.flatten(0, -2).float(), want.flatten(0, -2).float()
@@ -224,11 +226,11 @@ def test_disabled_by_name_and_planned_for_one_stream_it_does_nothing(decode: dic
     manager.run(gm)
     stats = next(p for p in manager.reports[0].passes if p.name == "stream_schedule")
     assert not stats.enabled and not stats.matches
-    assert not any(ss.META_KEY in n.meta for n in gm.graph.nodes)
-    assert ss.executable_segments(gm) is None
+    assert not any(META_KEY in n.meta for n in gm.graph.nodes)
+    assert executable_segments(gm) is None
     rows = {r["pass"]: r for r in summarize(manager.reports)}
     assert rows["stream_schedule"]["enabled"] is False
-    assert ss.make_plan(gm, "cpu", 10.0).sections == []
+    assert make_plan(gm, "cpu", 10.0).sections == []
     with pytest.raises(ValueError, match="unknown target 'sm00'"):
         target("sm00")
 
@@ -236,8 +238,8 @@ def test_disabled_by_name_and_planned_for_one_stream_it_does_nothing(decode: dic
 def test_the_schedule_command_prints_branches_streams_and_events(decode: dict[str, Any],
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setattr(cli, "console", Console(width=250))
-    monkeypatch.setattr(cli, "_schedule_plans", lambda args: [("decode", decode["plan"])])
+    monkeypatch.setattr(cli.console, "width", 250)
+    monkeypatch.setattr(cli.compiler, "_schedule_plans", lambda args: [("decode", decode["plan"])])
     assert cli.main(["schedule"]) == 0
     out = capsys.readouterr().out
     assert "decode: target sm90 (4 streams)" in out and "regions" in out
@@ -270,8 +272,8 @@ def test_scheduled_equals_unscheduled_bitwise_on_gpu_also_in_a_cuda_graph(induct
         manager = PassManager(build_passes(list(PASSES), options), backend=resolve_backend("auto"), disable=disable)
         runs[name] = _capture(model, manager, ids, cache, inductor=inductor)
     runner = runs["scheduled"]["returned"]
-    assert isinstance(runner, ss.StreamRunner)
-    assert not isinstance(runs["unscheduled"]["returned"], ss.StreamRunner)
+    assert isinstance(runner, StreamRunner)
+    assert not isinstance(runs["unscheduled"]["returned"], StreamRunner)
     results = {name: _plain_and_graphed(got, cache) for name, got in runs.items()}
     runner.overlap = False
     results["regions, one stream"] = _plain_and_graphed(runs["scheduled"], cache)

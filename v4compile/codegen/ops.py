@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from . import reference
+from .padding import with_padded_heads
 from .registry import with_fallback
 
 KERNEL_BACKENDS = ("triton", "tilelang", "reference")
@@ -247,16 +248,6 @@ def sparse_attention_padded(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tenso
     result equals the unpadded call."""
     return with_padded_heads(lambda padded_q, padded_sink: _run("sparse_attention", backend, padded_q, kv, padded_sink,
                                                                  index, scale), q, sink, multiple)
-
-
-def with_padded_heads(attention: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], q: torch.Tensor,
-                      sink: torch.Tensor, multiple: int) -> torch.Tensor:
-    """``attention(q, sink)`` on queries [B,S,H,d] and sinks [H] padded with zero heads (sink 0) up to a
-    multiple of ``multiple``, keeping the real heads: for kernels whose head tile is ``multiple``."""
-    heads = q.shape[2]
-    extra = -heads % multiple
-    padded_q = torch.nn.functional.pad(q, (0, 0, 0, extra))
-    return attention(padded_q, torch.nn.functional.pad(sink, (0, extra)))[:, :, :heads].contiguous()
 
 
 @sparse_attention_padded.register_fake

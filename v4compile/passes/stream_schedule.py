@@ -21,8 +21,9 @@ H200 the whole decode step gains 2-8% and an 8192-token prefill loses 9% (its ke
 region borders cost Inductor fusions; NOTES.md). CPU graphs are planned only when a ``target`` is given (the
 ``v4compile schedule`` report).
 
-Execution (CUDA only; on CPU the plan is a report and the graph runs unchanged). The backend builds a
-:class:`StreamRunner`: each segment becomes a graph module of its own, compiled by Inductor (or run as is),
+Execution (CUDA only; on CPU the plan is a report and the graph runs unchanged) is the backend's: its
+executor (``v4compile/stream_runner.py``) rebuilds the segments from these annotations and builds a
+``StreamRunner``: each segment becomes a graph module of its own, compiled by Inductor (or run as is),
 launched on its stream after waiting on the events of the segments it depends on (fork: a side stream waits
 on the main stream; join: the main stream waits on a side stream); every side stream joins the caller's
 stream before the call returns, so the whole step can be captured in a CUDA graph. Only the streams change,
@@ -41,43 +42,8 @@ from torch import fx
 
 from ..targets import DEFAULT_GPU_TARGET, target_name
 from .base import GraphPass, NoMatch, Rewrite, RewriteContext, SymDim, shape
-from .streams.dag import META_KEY, Cost, bases, dependency_graph, is_compute, is_view, node_cost, node_values
-from .streams.plan import (
-    BranchPlan,
-    EventPlan,
-    Plan,
-    SectionPlan,
-    Segment,
-    assign_streams,
-    branch_name,
-    coarsen,
-    code_label,
-    happens_before,
-    launch_order,
-    make_plan,
-    module_path,
-    segments,
-    threads,
-    unit_of,
-    unordered_edges,
-)
-from .streams.runner import (
-    Region,
-    StreamRunner,
-    annotated_streams,
-    build_regions,
-    compile_inductor,
-    executable_segments,
-    scheduled,
-)
-
-__all__ = [
-    "BranchPlan", "Cost", "EventPlan", "META_KEY", "Plan", "Region", "SectionPlan", "Segment", "StreamRunner",
-    "StreamSchedule", "annotated_streams", "assign_streams", "bases", "branch_name", "build_regions", "coarsen",
-    "code_label", "compile_inductor", "dependency_graph", "executable_segments", "happens_before", "is_compute",
-    "is_view", "launch_order", "make_plan", "module_path", "node_cost", "node_values", "scheduled", "segments",
-    "threads", "unit_of", "unordered_edges",
-]
+from .streams.dag import META_KEY
+from .streams.plan import Plan, SectionPlan, make_plan
 
 
 # ---------------------------------------------------------------------------------------------- the pass

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import with_padded_heads
+from ..padding import with_padded_heads
 from ..registry import REGISTRY
 from ..triton import sparse_attention as triton_attention
 from .common import load_kernels

@@ -1,6 +1,8 @@
-"""Running a stream-scheduled graph: the segments from the pass's node annotations, each segment as a region
-(graph module), :class:`StreamRunner` launching them on their streams with events, and the backend's hook
-:func:`scheduled`."""
+"""The backend's executor for a stream-scheduled graph. The ``stream_schedule`` pass
+(:mod:`v4compile.passes.stream_schedule`) only annotates nodes with a stream, a launch position and a segment;
+here the segments are rebuilt from those annotations, each segment becomes a region (graph module),
+:class:`StreamRunner` launches them on their streams with events, and :func:`scheduled` is the hook the backend
+(:mod:`v4compile.backend`) calls, handing over how to compile a region."""
 
 from __future__ import annotations
 
@@ -13,18 +15,11 @@ import networkx as nx
 import torch
 from torch import fx
 
-from .dag import (
-    META_KEY,
-    dependency_graph,
-    is_view,
-    node_values,
-    written_input,
-)
-from .plan import (
-    Segment,
-    segments,
-    unordered_edges,
-)
+from .passes.streams.dag import META_KEY, dependency_graph, is_view, node_values, written_input
+from .passes.streams.segments import Segment, segments, unordered_edges
+
+CompileRegion = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
+"""How a region is compiled: ``(region graph module, example inputs) -> callable``."""
 
 
 def annotated_streams(gm: fx.GraphModule) -> dict[fx.Node, int]:
@@ -32,7 +27,6 @@ def annotated_streams(gm: fx.GraphModule) -> dict[fx.Node, int]:
     return {n: n.meta.get(META_KEY, {}).get("stream", 0) for n in gm.graph.nodes}
 
 
-# ---------------------------------------------------------------------------------------------- running it
 @dataclass
 class Region:
     """One segment as a callable: its graph module, the values it reads and makes, and what to free after."""
@@ -142,8 +136,7 @@ class StreamRunner:
     before the reading stream is done with it (during CUDA graph capture: not before the capture ends)."""
 
     def __init__(self, gm: fx.GraphModule, segs: Sequence[Segment], example_inputs: Sequence[Any],
-                 compile_region: Callable[[fx.GraphModule, list[Any]], Callable[..., Any]],
-                 overlap: bool = True) -> None:
+                 compile_region: CompileRegion, overlap: bool = True) -> None:
         self.overlap = overlap
         """False runs every region on the caller's stream: the same regions without the overlap (an
         ablation for benchmarks)."""
@@ -209,26 +202,20 @@ class StreamRunner:
             env.pop(n, None)
 
 
-def scheduled(gm: fx.GraphModule, example_inputs: Sequence[Any], inductor: bool) -> Callable[..., Any] | None:
+def scheduled(gm: fx.GraphModule, example_inputs: Sequence[Any],
+              compile_region: CompileRegion) -> Callable[..., Any] | None:
     """The backend's hook: ``gm`` as a :class:`StreamRunner` when the stream schedule annotated it, the inputs
     are on a CUDA device and no gradient is recorded (inference; training graphs compile as one), else None.
-    ``inductor``: compile each region with Inductor (else run it as a graph module)."""
+    ``compile_region``: how each region is compiled (the backend's Inductor compile, or :func:`as_is`)."""
     on_cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
     if not on_cuda or torch.is_grad_enabled():
         return None
     found = executable_segments(gm)
     if found is None:
         return None
-    return StreamRunner(gm, found[1], example_inputs, compile_inductor if inductor else _eager)
+    return StreamRunner(gm, found[1], example_inputs, compile_region)
 
 
-def compile_inductor(module: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    """One region compiled by Inductor, as the whole graph would be (the backend's settings: eager's bf16
-    rounding emulated, e8m0 inputs on the CPU as bytes), so streamed and unstreamed code round alike."""
-    from ...backend import inductor_compile
-
-    return inductor_compile(module, example_inputs)
-
-
-def _eager(module: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+def as_is(module: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """A region run as its graph module, uncompiled (the backend without Inductor)."""
     return module
