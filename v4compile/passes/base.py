@@ -308,3 +308,66 @@ def only_user(node: fx.Node, why: str) -> fx.Node:
     if len(users) != 1:
         raise NoMatch(why)
     return users[0]
+
+
+# ------------------------------------------------------------------------- reading matched ops' arguments
+_SLICE_END = 2**63 - 1
+
+
+def reduction_dims(node: fx.Node, index: int, ndim: int) -> list[int]:
+    """The reduction dims argument of ``node`` normalised to 0..ndim-1."""
+    dims = node.args[index] if len(node.args) > index else node.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    return [d % ndim for d in dims]
+
+
+def keepdim(node: fx.Node, index: int) -> bool:
+    """The keepdim argument of a reduction ``node``."""
+    return bool(node.args[index] if len(node.args) > index else node.kwargs.get("keepdim", False))
+
+
+def other_operand(node: fx.Node, one: fx.Node) -> object:
+    """The operand of a binary ``node`` that is not ``one``."""
+    a, b = node.args[:2]
+    return b if a is one else a
+
+
+class Region:
+    """The nodes a match will remove; ``follow`` walks single-user chains and records them."""
+
+    def __init__(self) -> None:
+        self.nodes: set[fx.Node] = set()
+
+    def add(self, *nodes: object) -> None:
+        self.nodes.update(n for n in nodes if isinstance(n, fx.Node))
+
+    def follow(self, node: fx.Node, targets: object, why: str) -> fx.Node:
+        """``node``'s only user, which must be a call of ``targets`` (one op or a tuple; else NoMatch(why))."""
+        users = list(node.users)
+        if len(users) != 1 or not is_op(users[0], *(targets if isinstance(targets, tuple) else (targets,))):
+            raise NoMatch(why)
+        self.add(users[0])
+        return users[0]
+
+    def check_closed(self, outputs: Iterable[fx.Node], what: str) -> None:
+        """Every node of the region but its outputs is used only inside it (so the whole region goes)."""
+        outputs = set(outputs)
+        for node in self.nodes - outputs:
+            outside = [u.name for u in node.users if u not in self.nodes]
+            if outside:
+                raise NoMatch(f"{node.name} inside {what} is also used outside it (by {', '.join(outside)})")
+
+
+def slice_bounds(node: fx.Node, size: int) -> tuple[int, int]:
+    """(start, end) of an ``aten.slice`` over a dim of ``size``, the end clamped to it."""
+    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+    end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else _SLICE_END
+    return start, min(end, size)
+
+
+def scalar_operand(node: fx.Node, value: object, what: str) -> float:
+    """The Python scalar operand of a binary op ``node`` whose tensor operand is ``value``."""
+    other = other_operand(node, value)
+    if isinstance(other, fx.Node) or other is None:
+        raise NoMatch(f"{what} is not a constant")
+    return float(other)

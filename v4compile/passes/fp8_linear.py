@@ -24,7 +24,7 @@ from ..codegen import ops
 from ..codegen.triton.fp8_linear import BLOCK
 from ..model.linear import Linear
 from .base import GraphPass, NoMatch, Rewrite, RewriteContext, ancestors, dtype, is_op, is_static, locate, numel, shape
-from .template import Template, bind, example_sizes, trace
+from .template import Template, bind_first, example_sizes, trace
 
 aten = torch.ops.aten
 _PRODUCTS = (aten.linear, aten.matmul, aten.mm)
@@ -98,16 +98,9 @@ class Fp8Linear(GraphPass):
         x_dtype = dtype(activation)
         if x_dtype is None:
             raise NoMatch(f"the activation at {locate(node)} has no known dtype")
-        best = None
         sizes, dynamic = example_sizes(shape(activation) or x_shape)
-        for pow2 in (True, False):
-            binding = bind(_template(sizes, x_dtype, n, pow2, dynamic), node)
-            if binding.inputs is not None:
-                break
-            if best is None or binding.matched > best.matched:
-                best = binding
-        else:
-            raise NoMatch(f"not the model's FP8 linear [{n}, {k}] (neither scale rule): {best.reason}")
+        pow2, binding = bind_first((True, False), lambda pow2: _template(sizes, x_dtype, n, pow2, dynamic), node,
+                                   f"not the model's FP8 linear [{n}, {k}] (neither scale rule)")
         x, w, s = binding.inputs
         if w is not weight:
             raise NoMatch(f"the product's weight is not {weight.name} as stored")

@@ -26,71 +26,25 @@ import torch
 from torch import fx
 
 from ..codegen import ops
-from .base import GraphPass, NoMatch, Rewrite, RewriteContext, SymDim, dtype, is_op, numel, shape
+from .base import (
+    GraphPass,
+    NoMatch,
+    Region,
+    Rewrite,
+    RewriteContext,
+    SymDim,
+    dtype,
+    is_op,
+    keepdim,
+    numel,
+    other_operand,
+    reduction_dims,
+    scalar_operand,
+    shape,
+    slice_bounds,
+)
 
 aten = torch.ops.aten
-END = 2**63 - 1
-
-
-def _dims(node: fx.Node, index: int, ndim: int) -> list[int]:
-    """The reduction dims argument of ``node`` normalised to 0..ndim-1."""
-    dims = node.args[index] if len(node.args) > index else node.kwargs.get("dim")
-    dims = [dims] if isinstance(dims, int) else list(dims or [])
-    return [d % ndim for d in dims]
-
-
-def _keepdim(node: fx.Node, index: int) -> bool:
-    """The keepdim argument of a reduction ``node``."""
-    return bool(node.args[index] if len(node.args) > index else node.kwargs.get("keepdim", False))
-
-
-def _other(node: fx.Node, one: fx.Node) -> object:
-    """The operand of a binary ``node`` that is not ``one``."""
-    a, b = node.args[:2]
-    return b if a is one else a
-
-
-class _Region:
-    """The nodes a match will remove; ``follow`` walks single-user chains and records them."""
-
-    def __init__(self) -> None:
-        self.nodes: set[fx.Node] = set()
-
-    def add(self, *nodes: object) -> None:
-        self.nodes.update(n for n in nodes if isinstance(n, fx.Node))
-
-    def follow(self, node: fx.Node, targets: object, why: str) -> fx.Node:
-        """``node``'s only user, which must be a call of ``targets`` (one op or a tuple; else NoMatch(why))."""
-        users = list(node.users)
-        if len(users) != 1 or not is_op(users[0], *(targets if isinstance(targets, tuple) else (targets,))):
-            raise NoMatch(why)
-        self.add(users[0])
-        return users[0]
-
-    def check_closed(self, outputs: Iterable[fx.Node], what: str) -> None:
-        """Every node of the region but its outputs is used only inside it (so the whole region goes)."""
-        outputs = set(outputs)
-        for node in self.nodes - outputs:
-            outside = [u.name for u in node.users if u not in self.nodes]
-            if outside:
-                raise NoMatch(f"{node.name} inside {what} is also used outside it (by {', '.join(outside)})")
-
-
-def _bounds(node: fx.Node, size: int) -> tuple[int, int]:
-    """(start, end) of an ``aten.slice`` over a dim of ``size``, the end clamped to it."""
-    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
-    end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else END
-    return start, min(end, size)
-
-
-def _scalar(node: fx.Node, value: object, what: str) -> float:
-    """The Python scalar operand of a binary op ``node`` whose tensor operand is ``value``."""
-    other = _other(node, value)
-    if isinstance(other, fx.Node) or other is None:
-        raise NoMatch(f"{what} is not a constant")
-    return float(other)
-
-
 class MhcTiling(GraphPass):
     """mHC pre (projection, RMS scale, sigmoids, Sinkhorn, weighted sum) and post (post*y + comb^T X) -> ops."""
 
@@ -109,7 +63,7 @@ class MhcTiling(GraphPass):
         operands or a matmul by a transposed n x n matrix (the stream mixing of hc_post)."""
         found = []
         for node in gm.graph.nodes:
-            if is_op(node, aten.linear) and (any(is_op(u, aten.mul) and is_op(_other(u, node), aten.rsqrt)
+            if is_op(node, aten.linear) and (any(is_op(u, aten.mul) and is_op(other_operand(u, node), aten.rsqrt)
                                                  for u in node.users) or _rms_normed(node.args[0]) is not None):
                 found.append(node)
             elif is_op(node, aten.matmul) and _transposed_mixing(node) is not None:
@@ -127,14 +81,14 @@ class MhcTiling(GraphPass):
 
     # ------------------------------------------------------------------------------------------------ pre
     def _pre(self, linear: fx.Node, ctx: RewriteContext) -> Rewrite:
-        region = _Region()
+        region = Region()
         region.add(linear)
         if len(linear.args) > 2 and linear.args[2] is not None:
             raise NoMatch("the projection has a bias")
         flat, fn = linear.args[:2]
         normed = _rms_normed(flat)
         if normed is not None:
-            flat = _other(flat, normed)
+            flat = other_operand(flat, normed)
         x, streams, x_dtype = self._vec_streams(flat, region)
         n, dim = streams[-2:]
         mixes = shape(fn)
@@ -151,10 +105,10 @@ class MhcTiling(GraphPass):
         pre_in, post_in, comb_in = (self._affine(s, i, n, scale_base, region) for i, s in enumerate(slices))
         gate = region.follow(pre_in, aten.sigmoid, "pre is not a sigmoid of its mixes")
         pre = region.follow(gate, aten.add, "pre is not sigmoid(.) + eps")
-        hc_eps = _scalar(pre, gate, "pre's eps")
+        hc_eps = scalar_operand(pre, gate, "pre's eps")
         gate = region.follow(post_in, aten.sigmoid, "post is not a sigmoid of its mixes")
         post = region.follow(gate, aten.mul, "post is not 2 * sigmoid(.)")
-        if _scalar(post, gate, "post's factor") != 2.0:
+        if scalar_operand(post, gate, "post's factor") != 2.0:
             raise NoMatch("post is not 2 * sigmoid(.)")
         comb, iters = self._sinkhorn(comb_in, n, hc_eps, region)
         y = self._weighted_sum(pre, flat, x, x_dtype, streams, region)
@@ -169,7 +123,7 @@ class MhcTiling(GraphPass):
         return rewrite
 
     @staticmethod
-    def _vec_streams(flat: object, region: _Region) -> tuple[fx.Node, tuple[int, ...], torch.dtype | None]:
+    def _vec_streams(flat: object, region: Region) -> tuple[fx.Node, tuple[int, ...], torch.dtype | None]:
         """``flatten(X, -2).float()`` -> (X, X's shape, X's dtype). X may be an earlier rewrite's output, which
         carries no shape: then the shape comes from ``flat.view(X.shape)`` of the weighted sum."""
         region.add(flat)
@@ -193,7 +147,7 @@ class MhcTiling(GraphPass):
         return source.args[0], streams, dtype(source)
 
     @staticmethod
-    def _rms_scaled(linear: fx.Node, flat: fx.Node, normed: fx.Node | None, region: _Region) -> tuple[fx.Node, float]:
+    def _rms_scaled(linear: fx.Node, flat: fx.Node, normed: fx.Node | None, region: Region) -> tuple[fx.Node, float]:
         """``linear * rsqrt(mean(flat^2, -1, keepdim) + eps)`` -> (that product, eps); with the scale applied before
         the projection (``normed`` is that rsqrt), ``linear(flat * rsqrt, fn)`` -> (the projection, eps)."""
         if normed is None:
@@ -201,7 +155,7 @@ class MhcTiling(GraphPass):
             if len(users) != 1:
                 raise NoMatch("the projection is used elsewhere than its RMS scaling")
             m = users[0]
-            rsqrt = _other(m, linear)
+            rsqrt = other_operand(m, linear)
         else:
             m, rsqrt = linear, normed
             region.add(linear.args[0])
@@ -209,21 +163,21 @@ class MhcTiling(GraphPass):
         mean = add.args[0] if is_op(add, aten.add) else None
         square = mean.args[0] if is_op(mean, aten.mean) else None
         ndim = len(shape(flat) or ())
-        if not (is_op(square, aten.square) and square.args[0] is flat and _dims(mean, 1, ndim) == [ndim - 1]
-                and _keepdim(mean, 2)):
+        if not (is_op(square, aten.square) and square.args[0] is flat and reduction_dims(mean, 1, ndim) == [ndim - 1]
+                and keepdim(mean, 2)):
             raise NoMatch("the RMS scale is not rsqrt(mean(vec(X)^2, -1, keepdim) + eps) of the projected input")
         region.add(m, rsqrt, add, mean, square)
-        return m, _scalar(add, mean, "the RMS eps")
+        return m, scalar_operand(add, mean, "the RMS eps")
 
     @staticmethod
-    def _slices(m: fx.Node, n: int, region: _Region) -> list[fx.Node]:
+    def _slices(m: fx.Node, n: int, region: Region) -> list[fx.Node]:
         """The three last-dim slices ``[:n]``, ``[n:2n]``, ``[2n:]`` of the mixes, in that order."""
         ndim, total = len(shape(m) or ()), (2 + n) * n
         found: dict[tuple[int, int], fx.Node] = {}
         for user in m.users:
             if not is_op(user, aten.slice) or user.args[1] % ndim != ndim - 1:
                 raise NoMatch("the mixes feed something other than slices of their last dim")
-            found[_bounds(user, total)] = user
+            found[slice_bounds(user, total)] = user
         wanted = [(0, n), (n, 2 * n), (2 * n, total)]
         if sorted(found) != wanted:
             raise NoMatch(f"the mixes are sliced as {sorted(found)}, not pre/post/comb {wanted} for n = {n}")
@@ -232,7 +186,7 @@ class MhcTiling(GraphPass):
 
     @staticmethod
     def _affine(mixes: fx.Node, index: int, n: int, scale_base: list[tuple[object, object]],
-                region: _Region) -> fx.Node:
+                region: Region) -> fx.Node:
         """``mixes * scale[index] + base[slice]`` -> the sum; every part must use the same scale and base."""
         what = ("pre", "post", "comb")[index]
         users = list(mixes.users)
@@ -240,18 +194,18 @@ class MhcTiling(GraphPass):
         if grid is not None:
             region.add(grid)
         mul = region.follow(grid or mixes, aten.mul, f"the {what} mixes are not multiplied by scale[{index}]")
-        select = _other(mul, grid or mixes)
+        select = other_operand(mul, grid or mixes)
         if not is_op(select, aten.select) or select.args[1:] != (0, index):
             raise NoMatch(f"the {what} mixes are not multiplied by scale[{index}]")
         add = region.follow(mul, aten.add, f"the {what} mixes have no base added")
-        piece = _other(add, mul)
+        piece = other_operand(add, mul)
         if grid is not None:
             if not isinstance(piece, fx.Node) or not _splits_last(piece, n):
                 raise NoMatch(f"the {what} mixes viewed as {n} x {n} are not shifted by base[2n:] viewed alike")
             region.add(piece)
             piece = piece.args[0]
-        start, end = _bounds(mixes, (2 + n) * n)
-        if not is_op(piece, aten.slice) or piece.args[1] != 0 or _bounds(piece, (2 + n) * n) != (start, end):
+        start, end = slice_bounds(mixes, (2 + n) * n)
+        if not is_op(piece, aten.slice) or piece.args[1] != 0 or slice_bounds(piece, (2 + n) * n) != (start, end):
             raise NoMatch(f"the {what} mixes are not shifted by base[{start}:{end}]")
         scale, base = select.args[0], piece.args[0]
         if scale_base and scale_base[0] != (scale, base):
@@ -263,7 +217,7 @@ class MhcTiling(GraphPass):
         return add
 
     @staticmethod
-    def _sinkhorn(logits: fx.Node, n: int, eps: float, region: _Region) -> tuple[fx.Node, int]:
+    def _sinkhorn(logits: fx.Node, n: int, eps: float, region: Region) -> tuple[fx.Node, int]:
         """``unflatten(n, n)`` -> softmax(-1) + eps -> column step -> (row step, column step)* -> (comb, iters);
         logits already viewed as ``n x n`` (before their scale and base) go to the softmax directly."""
         grid = logits
@@ -277,8 +231,8 @@ class MhcTiling(GraphPass):
         if softmax.args[1] % ndim != ndim - 1:
             raise NoMatch("Sinkhorn's softmax is not over rows (the last dim)")
         c = region.follow(softmax, aten.add, "Sinkhorn's softmax has no eps added")
-        if _scalar(c, softmax, "Sinkhorn's eps") != eps:
-            raise NoMatch(f"Sinkhorn's eps {_scalar(c, softmax, 'eps')} differs from pre's eps {eps}")
+        if scalar_operand(c, softmax, "Sinkhorn's eps") != eps:
+            raise NoMatch(f"Sinkhorn's eps {scalar_operand(c, softmax, 'eps')} differs from pre's eps {eps}")
         c = MhcTiling._normalize(c, ndim - 2, eps, region)
         if c is None:
             raise NoMatch("Sinkhorn's first column normalisation (after the softmax) is missing")
@@ -298,12 +252,12 @@ class MhcTiling(GraphPass):
     def _step_axis(c: fx.Node, ndim: int) -> int | None:
         """The axis of a ``c / (c.sum(axis, keepdim) + eps)`` step applied to ``c``, if any."""
         for user in c.users:
-            if is_op(user, aten.sum) and _keepdim(user, 2) and len(_dims(user, 1, ndim)) == 1:
-                return _dims(user, 1, ndim)[0]
+            if is_op(user, aten.sum) and keepdim(user, 2) and len(reduction_dims(user, 1, ndim)) == 1:
+                return reduction_dims(user, 1, ndim)[0]
         return None
 
     @staticmethod
-    def _normalize(c: fx.Node, axis: int, eps: float, region: _Region) -> fx.Node | None:
+    def _normalize(c: fx.Node, axis: int, eps: float, region: Region) -> fx.Node | None:
         """``c / (c.sum(axis, keepdim) + eps)`` -> the quotient; None when ``c`` is not normalised on ``axis``."""
         ndim = len(shape(c) or ())
         if MhcTiling._step_axis(c, ndim) != axis:
@@ -311,7 +265,7 @@ class MhcTiling(GraphPass):
         total = next(u for u in c.users if is_op(u, aten.sum))
         add = region.follow(total, aten.add, "a Sinkhorn sum has no eps added")
         div = region.follow(add, aten.div, "a Sinkhorn step does not divide by its sums")
-        if div.args[0] is not c or _scalar(add, total, "Sinkhorn's eps") != eps:
+        if div.args[0] is not c or scalar_operand(add, total, "Sinkhorn's eps") != eps:
             raise NoMatch(f"a Sinkhorn step is not c / (c.sum({axis - ndim}) + {eps})")
         if len(c.users) != 2:
             raise NoMatch("an intermediate Sinkhorn matrix is used outside the iteration")
@@ -320,18 +274,18 @@ class MhcTiling(GraphPass):
 
     @staticmethod
     def _weighted_sum(pre: fx.Node, flat: fx.Node, x: fx.Node, x_dtype: torch.dtype | None,
-                      streams: tuple[int, ...], region: _Region) -> fx.Node:
+                      streams: tuple[int, ...], region: Region) -> fx.Node:
         """``(pre.unsqueeze(-1) * flat.view(X.shape)).sum(-2)`` cast to X's dtype -> the cast (the y output); X
         itself in place of ``flat.view(X.shape)`` is the same fp32 product (pre is fp32)."""
         ndim = len(streams)
         lifted = region.follow(pre, aten.unsqueeze, "pre does not weight the streams (no pre.unsqueeze(-1))")
         mul = region.follow(lifted, aten.mul, "pre does not weight the streams (no pre.unsqueeze(-1) * X)")
-        view = _other(mul, lifted)
+        view = other_operand(mul, lifted)
         if view is not x and (lifted.args[1] % (ndim) != ndim - 1 or not is_op(view, aten.view, aten.reshape)
                               or view.args[0] is not flat or shape(view) != streams):
             raise NoMatch("pre does not weight the streams X or vec(X).view(X.shape)")
         total = region.follow(mul, aten.sum, "the weighted streams are not summed")
-        if _dims(total, 1, ndim) != [ndim - 2] or _keepdim(total, 2):
+        if reduction_dims(total, 1, ndim) != [ndim - 2] or keepdim(total, 2):
             raise NoMatch("the weighted streams are not summed over the stream axis (-2)")
         if view is not x:
             region.add(view)
@@ -345,14 +299,14 @@ class MhcTiling(GraphPass):
 
     # ----------------------------------------------------------------------------------------------- post
     def _post(self, mixed: fx.Node, ctx: RewriteContext) -> Rewrite:
-        region = _Region()
+        region = Region()
         if is_op(mixed, aten.matmul):
             comb, x, lead, n, dim = self._matmul_mixing(mixed, region)
             ndim = len(lead) + 3
         else:
             comb, x, lead, n, dim, ndim = self._summed_mixing(mixed, region)
         add = region.follow(mixed, aten.add, "the mixed streams are not added to post * y")
-        post_y = _other(add, mixed)
+        post_y = other_operand(add, mixed)
         if not is_op(post_y, aten.mul):
             raise NoMatch("the mixed streams are not added to post * y")
         post_u, y_u = self._lifted(post_y, ndim - 2, ndim - 3, "post.unsqueeze(-1) * y.unsqueeze(-2)")
@@ -373,7 +327,7 @@ class MhcTiling(GraphPass):
         details = {"step": "post", "streams": n, "dim": dim, "rows": _rows((*lead, n, dim))}
         return Rewrite(out, ops.mhc_post, (y, x, post, comb, ctx.backend), kernel, details)
 
-    def _summed_mixing(self, mixed: fx.Node, region: _Region) -> tuple[fx.Node, fx.Node, tuple, int, int, int]:
+    def _summed_mixing(self, mixed: fx.Node, region: Region) -> tuple[fx.Node, fx.Node, tuple, int, int, int]:
         """``(comb.unsqueeze(-1) * X.unsqueeze(-2)).sum(-3)`` -> (comb, X, lead dims, n, D, the product's rank)."""
         prod = mixed.args[0]
         region.add(mixed, prod, *prod.args[:2])
@@ -384,15 +338,15 @@ class MhcTiling(GraphPass):
         lead, (n, _, dim) = shape(x_u)[:-3], shape(x_u)[-3:]
         if shape(comb_u) != (*lead, n, n, 1):
             raise NoMatch(f"the mixing matrix {shape(comb_u)[:-1]} is not [..., {n}, {n}] for {n} streams")
-        axes = _dims(mixed, 1, ndim)
+        axes = reduction_dims(mixed, 1, ndim)
         if axes == [ndim - 2]:
             raise NoMatch("mixes the streams with comb (sum over k, dim -2), not comb^T (sum over j, dim -3)")
-        if axes != [ndim - 3] or _keepdim(mixed, 2):
+        if axes != [ndim - 3] or keepdim(mixed, 2):
             raise NoMatch(f"the mixing product is summed over dims {axes}, not the stream axis j ({ndim - 3})")
         return comb_u.args[0], x_u.args[0], lead, n, dim, ndim
 
     @staticmethod
-    def _matmul_mixing(mixed: fx.Node, region: _Region) -> tuple[fx.Node, fx.Node, tuple, int, int]:
+    def _matmul_mixing(mixed: fx.Node, region: Region) -> tuple[fx.Node, fx.Node, tuple, int, int]:
         """``matmul(comb.transpose(-1, -2), X)`` -> (comb, X, lead dims, n, D)."""
         comb = _transposed_mixing(mixed)
         x = mixed.args[1]

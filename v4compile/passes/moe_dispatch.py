@@ -52,7 +52,7 @@ from .base import (
     shape,
     users_past_noop_slices,
 )
-from .template import Template, bind, example_sizes, skip_noop_casts, trace
+from .template import Template, bind_first, example_sizes, skip_noop_casts, trace
 
 aten = torch.ops.aten
 FORMATS = {torch.int8: "fp4", torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16"}
@@ -168,16 +168,10 @@ class MoeDispatch(GraphPass):
         clamps = [n for n in hidden if is_op(n, aten.clamp) and _source(n.args[0]) in gated]
         limits = [float(c) for c in _constant_after(clamps, aten.clamp, 2)]
         limit = max(limits) if limits else 0.0
-        best = None
-        for pow2 in ((True, False) if fmt != "bf16" else (False,)):
-            binding = bind(_template(tokens, k, n, first, dim, inter, fmt, pow2, limit, 0 in dynamic), end)
-            if binding.inputs is not None:
-                break
-            if best is None or binding.matched > best.matched:
-                best = binding
-        else:
-            raise NoMatch(f"not the model's routed experts ({fmt}, {n} experts from {first}, limit {limit}): "
-                          f"{best.reason}")
+        pow2, binding = bind_first(
+            (True, False) if fmt != "bf16" else (False,),
+            lambda pow2: _template(tokens, k, n, first, dim, inter, fmt, pow2, limit, 0 in dynamic), end,
+            f"not the model's routed experts ({fmt}, {n} experts from {first}, limit {limit})")
         x, weights, ids, *params = binding.inputs
         quantized = fmt != "bf16"
         w1, s1, w3, s3, w2, s2 = params if quantized else (params[0], None, params[1], None, params[2], None)
@@ -277,17 +271,11 @@ def _analyze_grouped(down_mm: fx.Node, ctx: RewriteContext) -> Rewrite:
     limits = [float(c) for c in _constant_after(clamps, aten.clamp, 2)]
     limit = max(limits) if limits else 0.0
     other = mul.args[1] if mul.args[0] is down_mm else mul.args[0]
-    best = None
     device = str(end.meta["val"].device)
-    for fused in (True, False):
-        template = _grouped_template(tokens, k, n, dim, inter, fused, dtype(other), limit, device, 0 in dynamic)
-        binding = bind(template, end)
-        if binding.inputs is not None:
-            break
-        if best is None or binding.matched > best.matched:
-            best = binding
-    else:
-        raise NoMatch(f"not transformers' grouped experts ({n} experts, limit {limit}): {best.reason}")
+    fused, binding = bind_first(
+        (True, False),
+        lambda fused: _grouped_template(tokens, k, n, dim, inter, fused, dtype(other), limit, device, 0 in dynamic),
+        end, f"not transformers' grouped experts ({n} experts, limit {limit})")
     x, weights, ids, *projections = binding.inputs
     selector = _source(ids)
     if not (selector.target is operator.getitem and is_op(selector.args[0], aten.topk) and selector.args[1] == 1):

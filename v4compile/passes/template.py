@@ -12,9 +12,9 @@ has there.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import fx
@@ -22,10 +22,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from .base import dtype, is_op, locate, size_hint, skip_noop_slices
+from .base import NoMatch, dtype, is_op, locate, size_hint, skip_noop_slices
 
 aten = torch.ops.aten
 _IGNORED_KWARGS = ("device",)
+Variant = TypeVar("Variant")
 
 
 @dataclass
@@ -174,8 +175,6 @@ def example_sizes(dims: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ..
     the sizes of the call the graph was traced for, and which dims are dynamic."""
     sizes = tuple(d if isinstance(d, int) else d.hint for d in dims)
     if any(s is None for s in sizes):
-        from .base import NoMatch
-
         raise NoMatch(f"a size of {dims} depends on data")
     return sizes, tuple(i for i, d in enumerate(dims) if not isinstance(d, int))
 
@@ -188,3 +187,19 @@ def bind(template: Template, node: fx.Node) -> Binding:
         return Binding([skip_noop_casts(matcher.pairs[p]) if p in matcher.pairs else None
                         for p in template.inputs], "", len(matcher.pairs), operations | matcher.noops)
     return Binding(None, matcher.reason, len(matcher.pairs))
+
+
+def bind_first(variants: Iterable[Variant], template: Callable[[Variant], Template], node: fx.Node,
+               what: str) -> tuple[Variant, Binding]:
+    """The first of ``variants`` (a pass's alternative forms of one computation: scale rules, fused or separate
+    weights) whose ``template(variant)`` binds at ``node``, with its binding; each template is traced only when
+    the ones before it failed. When none binds: NoMatch(f"{what}: ...") with the reason of the variant that
+    matched furthest."""
+    best: Binding | None = None
+    for variant in variants:
+        binding = bind(template(variant), node)
+        if binding.inputs is not None:
+            return variant, binding
+        if best is None or binding.matched > best.matched:
+            best = binding
+    raise NoMatch(f"{what}: {best.reason if best else 'no variant to try'}")

@@ -22,7 +22,7 @@ import triton
 
 from ..registry import REGISTRY
 from .compressor import triton_next_pow2
-from .launch import GROUPED_TILE, load_triton_module, lowered_text
+from .launch import GROUPED_TILE, SPLIT_SUM, load_triton_module, lowered_text
 
 SMS = 132
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 PRECISION = tl.constexpr("{precision}")
-''' + GROUPED_TILE + '''
+''' + GROUPED_TILE + SPLIT_SUM + '''
 
 
 @triton.jit
@@ -68,11 +68,7 @@ def fp32_mm(X, W, B, OUT, M, N, K, s_xm, s_xk, s_wn, s_wk, s_o, s_part, HAS_BIAS
 def fp32_split_sum(PARTS, B, OUT, total, N, s_part, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                    BE: tl.constexpr):
     # the K splits' partial products added in split order (the same order for every row and batch), then the bias
-    e = tl.program_id(0) * BE + tl.arange(0, BE)
-    em = e < total
-    acc = tl.load(PARTS + e, mask=em, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(PARTS + s * s_part + e, mask=em, other=0.0)
+    e, em, acc = _split_sum(PARTS, total, s_part, SPLIT, BE)
     if HAS_BIAS:
         acc += tl.load(B + e % N, mask=em, other=0.0).to(tl.float32)
     tl.store(OUT + e, acc, mask=em)

@@ -38,7 +38,7 @@ import triton
 from ..registry import REGISTRY
 from .compressor import triton_next_pow2
 from .formats import FORMATS_SOURCE
-from .launch import GROUPED_TILE, ROUND_BF16, load_triton_module, lowered_text
+from .launch import GROUPED_TILE, ROUND_BF16, SPLIT_SUM, load_triton_module, lowered_text
 
 BLOCK = 128
 SMS = 132
@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 DOT = tl.{dot}
-''' + ROUND_BF16 + GROUPED_TILE + FORMATS_SOURCE + '''
+''' + ROUND_BF16 + GROUPED_TILE + SPLIT_SUM + FORMATS_SOURCE + '''
 
 
 @triton.jit
@@ -110,11 +110,7 @@ def fp8_gemm(CODES, SCALES, W, S, OUT, M, N, K, s_c, s_s, s_w, s_ws, s_o, s_part
 @triton.jit
 def fp8_split_sum(PARTS, OUT, total, s_part, SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, BE: tl.constexpr):
     # the K splits' partial products summed in split order (the same order for every row and batch)
-    e = tl.program_id(0) * BE + tl.arange(0, BE)
-    em = e < total
-    acc = tl.load(PARTS + e, mask=em, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(PARTS + s * s_part + e, mask=em, other=0.0)
+    e, em, acc = _split_sum(PARTS, total, s_part, SPLIT, BE)
     if OUT_BF16:
         tl.store(OUT + e, _round_bf16(acc).to(tl.bfloat16), mask=em)
     else:

@@ -1,4 +1,5 @@
-"""Loading generated Triton sources: compiled on CUDA, through the Triton interpreter on CPU."""
+"""Loading generated Triton sources (compiled on CUDA, through the Triton interpreter on CPU), and the source
+fragments several kernels share: bf16 rounding, grouped output tiles, the sum of a split-K GEMM's parts."""
 
 from __future__ import annotations
 
@@ -28,6 +29,20 @@ def _grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.const
     first = (pid // band) * GROUP
     rows_here = tl.minimum(tl.cdiv(M, BM) - first, GROUP)
     return (first + (pid % band) % rows_here) * BM, ((pid % band) // rows_here) * BN
+'''
+
+SPLIT_SUM = '''
+
+@triton.jit
+def _split_sum(PARTS, total, s_part, SPLIT: tl.constexpr, BE: tl.constexpr):
+    # a split-K GEMM's second launch: elements e of program_id(0)'s block of the output, whether each exists, and
+    # their K splits' partial products (SPLIT planes s_part apart) added in split order, the same for every row
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    em = e < total
+    acc = tl.load(PARTS + e, mask=em, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(PARTS + s * s_part + e, mask=em, other=0.0)
+    return e, em, acc
 '''
 
 
