@@ -204,7 +204,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2:
     if BLOCK % config["BN"]:
         raise ValueError(f"fp8_linear: column tile {config['BN']} must divide the weight block {BLOCK}")
     cublas = blockwise_scaled_mm() if config.get("CUBLAS") and pow2 and bf16 and n % BLOCK == 0 else None
-    padded = triton.cdiv(m, 16 if cublas else config["BM"]) * (16 if cublas else config["BM"])
+    row_tile = 16 if cublas else config["BM"]  # cuBLAS takes whole 16-row tiles
+    padded = triton.cdiv(m, row_tile) * row_tile
     codes = torch.empty(padded, k, dtype=torch.float8_e4m3fn, device=x.device)
     # cuBLAS takes the activation scales M-major
     scales = (torch.empty(k // BLOCK, padded, dtype=torch.float32, device=x.device).t() if cublas else
@@ -220,7 +221,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2:
             rows, codes, scales, m, rows.stride(0), codes.stride(0), scales.stride(0), scales.stride(1),
             POW2=pow2, BR=config["BR"])
         if cublas:
-            out = cublas(codes, scales, w, scale, out_dtype)[:m]  # cuBLAS takes whole 16-row tiles
+            out = cublas(codes, scales, w, scale, out_dtype)[:m]
             return
         module.fp8_gemm[(tiles, split)](
             codes, scales, w, s, parts, m, n, k, codes.stride(0), scales.stride(0), w.stride(0), s.stride(0),
