@@ -56,7 +56,7 @@ def fill_cache(cache: V4Cache, seed: int) -> None:
         layer.window.normal_(generator=gen)
         for comp in (layer.compressor, layer.indexer):
             if comp is not None:
-                comp.entries.normal_(generator=gen)
+                comp.pool.normal_(generator=gen)
                 comp.kv_state.normal_(generator=gen)
                 comp.score_state.normal_(generator=gen)
 

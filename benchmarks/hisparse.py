@@ -49,7 +49,7 @@ class GatherLayerCache(LayerCache):
     def sparse_entries(self, chosen: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The chosen entries gathered [B, S*K, d] and their indices 0..S*K-1 (-1 kept)."""
         bsz, steps, k = chosen.shape
-        entries = self.compressor.entries[:bsz]
+        entries = self.compressor.read(bsz)
         index = chosen.clamp(min=0).view(bsz, -1, 1).expand(-1, -1, entries.shape[-1])
         ids = torch.arange(steps * k, device=chosen.device).view(1, steps, k)
         return entries.gather(1, index), torch.where(chosen >= 0, ids, -1)
@@ -105,7 +105,7 @@ def fill_rows(model: v4compile.DeepSeekV4, caches: list[V4Cache], rows: int) -> 
             layer.window.normal_(generator=gen)
             for c in (layer.compressor, layer.indexer):
                 if c is not None:
-                    for t in (c.entries, c.kv_state, c.score_state):
+                    for t in (c.pool, c.kv_state, c.score_state):
                         t.normal_(generator=gen)
         for cache in caches:
             if row < cache.batch_size:

@@ -26,6 +26,9 @@ from headline import build_slice, fill_cache
 from kernels import graphed
 
 import v4compile
+from v4compile.model.cache import PAGE_TOKENS, V4Cache
+from v4compile.model.pages import EntryPages
+from v4compile.runtime.cache_manager import pages_for
 
 COPY_RATE = 4.25e12  # bytes/s, device-to-device copy measured on the H200 (shared/device/README.md)
 FP8_RATE = 1256e12  # FLOP/s, FP8 torch._scaled_mm at 8192^3 measured there (benchmarks/gemm.py)
@@ -84,6 +87,18 @@ def prefill_floor(model: v4compile.DeepSeekV4, tokens: int, last: bool) -> float
     return flops / FP8_RATE
 
 
+def paged_cache(model: torch.nn.Module, rows: int, tokens: int, seed: int) -> V4Cache:
+    """A cache of ``rows`` rows of ``tokens`` tokens on shared entry pages, as the serving engine keeps them, each
+    row's pages scattered over the pool in a random order."""
+    per_row, device = pages_for(tokens), model.embed.weight.device
+    cache = V4Cache(model.config, rows, per_row * PAGE_TOKENS, device, EntryPages(model.config, rows * per_row + 1,
+                                                                                     device))
+    order = torch.randperm(rows * per_row, generator=torch.Generator().manual_seed(seed)) + 1
+    assert cache.table is not None
+    cache.table.copy_(order.view(rows, per_row))
+    return cache
+
+
 def main() -> None:
     """Profiles one phase and prints one JSON row."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -101,6 +116,8 @@ def main() -> None:
     parser.add_argument("--whole-graph", action="store_true",
                         help="compile each entry point as one graph instead of regions (optimize(regions=False))")
     parser.add_argument("--kernels", type=int, default=0, help="also list this many of the step's longest kernels")
+    parser.add_argument("--pages", action="store_true",
+                        help="decode on shared entry pages (the engine's layout), each row's pages scattered")
     parser.add_argument("--turn", type=int, default=0)
     parser.add_argument("--turns", default="", help="folder of turn files (empty: profile at once)")
     parser.add_argument("--of", type=int, default=1, help="how many phases share the turn folder")
@@ -112,7 +129,8 @@ def main() -> None:
                                    regions=not args.whole_graph)
     with torch.no_grad():
         if decode:
-            cache = model.new_cache(size, args.context + 64)
+            cache = (paged_cache(model, size, args.context + 64, size) if args.pages
+                     else model.new_cache(size, args.context + 64))
             fill_cache(cache, size)
             ids = torch.randint(0, model.config.vocab_size, (size, 1), device=args.device)
             positions = torch.full((size,), args.context, device=args.device)

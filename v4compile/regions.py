@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import progress
-from .model.cache import LayerCache
+from .model.cache import CompressorCache, LayerCache
 from .model.routing import Routing
 
 _SETTING_TYPES = (bool, int, float, str, type(None))
@@ -137,8 +137,10 @@ def mark_dynamic_dims(args: tuple[Any, ...], kwargs: dict[str, Any], sequence: b
     ``unbacked_batch`` says so), so the first decode compiles the graph that every later batch, 1 included, reuses. A
     sequence call marks it backed when above 1 (batch 1 is its own graph: Dynamo specialises sizes of 1), and also
     the sequence: dim 1 of the leading tensor arguments (the streams and the ids) and of the replayed routing
-    records (experts and indexer entries per position), so one graph serves every length. A tensor already marked
-    so (a cache, step after step) is left as it is: marking costs microseconds a tensor on every region call."""
+    records (experts and indexer entries per position), so one graph serves every length. Shared entry pages
+    (``EntryPages``) are never batch-sized: their page count is marked dynamic instead, so engines of any pool
+    size share graphs. A tensor already marked so (a cache, step after step) is left as it is: marking costs
+    microseconds a tensor on every region call."""
     first = args[0] if args else None
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         return
@@ -154,9 +156,12 @@ def mark_dynamic_dims(args: tuple[Any, ...], kwargs: dict[str, Any], sequence: b
                 lengths.update(id(v) for v in (*routing.experts, *routing.indexer)
                                if isinstance(v, torch.Tensor) and v.shape[1] == first.shape[1] > 1)
 
+    shared_pools: set[int] = set()
+
     def mark(value: Any) -> None:
         if isinstance(value, torch.Tensor):
-            want = (kind if value.dim() and value.shape[0] == batch else None, id(value) in lengths)
+            batch_dim = value.dim() and value.shape[0] == batch and id(value) not in shared_pools
+            want = ("pages" if id(value) in shared_pools else kind if batch_dim else None, id(value) in lengths)
             if value.__dict__.get(_MARKED, (None, False)) == want:
                 return
             for attr in _MARKS:
@@ -164,12 +169,14 @@ def mark_dynamic_dims(args: tuple[Any, ...], kwargs: dict[str, Any], sequence: b
                     delattr(value, attr)
             if want[0] == "unbacked":
                 torch._dynamo.decorators.mark_unbacked(value, 0, hint_override=hint, shape_id="batch")
-            elif want[0] == "dynamic":
+            elif want[0] in ("dynamic", "pages"):
                 torch._dynamo.maybe_mark_dynamic(value, 0)
             if want[1]:
                 torch._dynamo.maybe_mark_dynamic(value, 1)
             setattr(value, _MARKED, want)
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            if isinstance(value, CompressorCache) and value.shared:
+                shared_pools.add(id(value.pool))
             for f in dataclasses.fields(value):
                 mark(getattr(value, f.name))
         elif isinstance(value, (list, tuple)):

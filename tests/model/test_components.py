@@ -98,9 +98,9 @@ def test_compressor_incremental_state_equals_batch_compression_at_every_remainde
             comp.forward_full(x[:, :p], freqs, state)
             for t in range(p, total):
                 comp.forward_decode(x[:, t : t + 1], torch.tensor([t, t]), freqs, state)
-            got = state.entries[:, : total // ratio].float()
+            got = state.read()[:, : total // ratio].float()
             assert torch.allclose(got, reference, atol=2e-2, rtol=2e-2), f"prefix {p}"
-            assert (state.entries[:, total // ratio :] == 0).all()
+            assert (state.read()[:, total // ratio :] == 0).all()
 
 
 @pytest.mark.parametrize(("ratio", "rotate"), [(4, False), (4, True), (128, False)])
@@ -166,7 +166,7 @@ def test_several_decode_tokens_equal_one_at_a_time_and_a_rejected_draft_rolls_ba
             assert torch.equal(a.window, b.window)
             for x, y in ((a.compressor, b.compressor), (a.indexer, b.indexer)):
                 if x is not None:
-                    assert torch.equal(x.entries, y.entries) and torch.equal(x.kv_state, y.kv_state)
+                    assert torch.equal(x.read(), y.read()) and torch.equal(x.kv_state, y.kv_state)
         # the wrong draft at 127 closes a C4 and a C128 block: the rollback must undo that
         plain = model.new_cache(2, 256)
         model(ids[:, :126], cache=plain)

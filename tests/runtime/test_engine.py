@@ -10,8 +10,12 @@ import torch
 
 from v4compile import DeepSeekV4, V4Config
 from v4compile.model.cache import V4Cache
+from v4compile.model.pages import EntryPages
+from v4compile.runtime.cache_manager import row_bytes
 from v4compile.runtime.engine import Engine
 from v4compile.runtime.hisparse import min_hot_entries, slot_bytes
+from v4compile.runtime.pools import PagePool
+from v4compile.runtime.prefix_pools import tail_bytes
 from v4compile.runtime.prefix_store import PrefixStore
 
 
@@ -45,11 +49,11 @@ def test_greedy_with_prefix_cache_and_evictions_equals_without(model: DeepSeekV4
     roomy = Engine(model, max_batch=3, decode_buckets=(3,))
     assert _conversation(roomy, turns=2) == plain
     assert roomy.stats()["tree"]["cached_tokens"] >= 384
-    row = V4Cache(model.config, 1, 1024, "meta").nbytes()
-    pools = roomy.store.pools if roomy.store is not None else {}
-    tail = pools["window"].bytes_per_slot * model.config.window_size + pools["state"].bytes_per_slot
-    tight = Engine(model, max_batch=3, decode_buckets=(3,), memory_budget=4 * row + 6 * tail)
-    assert tight.store is not None and tight.store.pools["state"].capacity == 1  # one tail: evictions
+    row, tail = row_bytes(model.config, 1024), tail_bytes(model.config)
+    # the rows, then 9 tails' bytes: a quarter to two tails, the rest to 8 pages (1024 tokens, under three prompts)
+    tight = Engine(model, max_batch=3, decode_buckets=(3,), memory_budget=4 * row + 9 * tail)
+    assert tight.store is not None and tight.store.pools["state"].capacity == 2  # two tails: evictions
+    assert tight.store.pools["pages"].capacity == 8  # too few for three prompts at once: admission waits
     assert _conversation(tight, turns=2) == plain
     tight.store.tree.check()
     stats = tight.stats()["tree"]
@@ -73,35 +77,54 @@ def test_multi_turn_hits_and_recompute_after_window_eviction(model: DeepSeekV4) 
 
 def test_restored_cache_equals_recomputation_bit_for_bit(model: DeepSeekV4) -> None:
     config = model.config
-    store = PrefixStore(config, 128, 20_000_000, torch.device("cpu"))
+    entry_pages, pages = EntryPages(config, 64, "cpu"), PagePool("pages", 64)
+    store = PrefixStore(config, 128, pages, tails=4, device=torch.device("cpu"))
     tokens = _ids(384, 5)
 
-    def computed(length: int) -> V4Cache:
-        cache = model.new_cache(1, 1024)
+    def on_pages(row_pages: list[int]) -> V4Cache:
+        cache = V4Cache(config, 1, 1024, "cpu", entry_pages)
+        assert cache.table is not None
+        cache.table[0, : len(row_pages)] = torch.tensor(row_pages)
+        return cache
+
+    held: list[int] = []
+
+    def computed(length: int) -> tuple[V4Cache, list[int]]:
+        row_pages = pages.alloc(8)
+        held.extend(row_pages)
+        cache = on_pages(row_pages)
         with torch.no_grad():
             for start in range(0, length, 128):
                 model.extend(torch.tensor([tokens[start : start + 128]]), start, cache)
-        return cache
+        return cache, row_pages
 
-    store.save(tokens[:256], computed(256))
-    store.save(tokens, computed(384))
+    saved = {length: computed(length) for length in (256, 384)}
+    for length, (cache, row_pages) in saved.items():
+        store.save(tokens[:length], cache, row_pages)
     for length in (256, 384):
-        restored = model.new_cache(1, 1024)
+        restored = V4Cache(config, 1, 1024, "cpu", entry_pages)
         hit = store.restore(tokens[:length] + [1], restored)
         assert hit.resume_len == length
-        want = computed(length)
+        # the entries are not copied: the hit maps the pages the first computation of each span wrote
+        assert hit.pages == saved[256][1][:2] + saved[384][1][2:3][: length // 128 - 2]
+        held += hit.pages
+        assert restored.table is not None
+        restored.table[0, : len(hit.pages)] = torch.tensor(hit.pages)
+        want, _ = computed(length)
         for got_layer, want_layer in zip(restored.layers, want.layers, strict=True):
             assert torch.equal(got_layer.window, want_layer.window)
             for a, b in ((got_layer.compressor, want_layer.compressor), (got_layer.indexer, want_layer.indexer)):
                 if a is None:
                     continue
-                assert torch.equal(a.entries, b.entries)
+                n = length // (4 if a.kv_state.shape[1] == 8 else 128)
+                assert torch.equal(a.read()[:, :n], b.read()[:, :n])
                 # everything the next token reads: the open block (empty at a boundary) and, for C4, the
                 # left half of the previous block's rows
                 w, ratio = a.kv_state.shape[-1] // 2, 4 if a.kv_state.shape[1] == 8 else 0
-                for got, want in ((a.kv_state, b.kv_state), (a.score_state, b.score_state)):
-                    assert torch.equal(got[:, ratio:], want[:, ratio:])
-                    assert torch.equal(got[:, :ratio, :w], want[:, :ratio, :w])
+                for got, want_state in ((a.kv_state, b.kv_state), (a.score_state, b.score_state)):
+                    assert torch.equal(got[:, ratio:], want_state[:, ratio:])
+                    assert torch.equal(got[:, :ratio, :w], want_state[:, :ratio, :w])
+    store.tree.check({"pages": held})  # each page's references: the tree's, and one per row holding it
 
 
 def test_sampling_with_a_seed_does_not_depend_on_the_batch(model: DeepSeekV4) -> None:

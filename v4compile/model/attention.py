@@ -208,7 +208,7 @@ class Attention(nn.Module):
         """Decode: the compressor takes the new tokens, and the chosen compressed entries (indexer top-k for C4,
         all visible ones for C128, as of the query positions ``pos`` [B, S]) join ``keys`` and ``index``."""
         self.compressor.forward_decode(x, positions, self.freqs, cache.compressor)
-        entries = cache.compressor.entries[: x.shape[0]]
+        entries = cache.compressor.read(x.shape[0])
         if self.indexer is not None:
             chosen = self.indexer.forward_decode(x, qr, positions, cos, sin, self.freqs, cache.indexer,
                                                  _replayed(routing, layer))

@@ -1,4 +1,6 @@
 """Decode caches: plain tensors addressed by index tensors, owned by one object the caller passes in.
+A cache built on ``EntryPages`` (``pages.py``, the serving engine's pools) keeps its compressed entries on shared
+pages addressed through a page table (``CompressorCache``).
 
 Per layer: the sliding-window ring (``window`` slots, slot = position mod window), the compressed
 entries of the main compressor, and for C4 layers the indexer keys; per compressor its incremental
@@ -10,34 +12,96 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import V4Config
 
+if TYPE_CHECKING:
+    from .pages import EntryPages
+
+
+PAGE_TOKENS = 128
+"""Tokens per page of compressed entries: 32 C4 entries or indexer keys, one C128 entry (a C128 block, and the
+prefix cache's default granule, so a cached prefix is whole pages)."""
+
 
 @dataclass
 class CompressorCache:
-    """Emitted entries ``[B, max_seq_len // ratio, width]`` plus the fp32 state of the open block."""
+    """Emitted entries plus the fp32 state of the open block.
 
-    entries: torch.Tensor
+    On shared pages (``table`` given): ``pool`` [pages, PAGE_TOKENS // ratio, width] holds the entries of every
+    row, of other caches and of cached prefixes, and ``table`` [B, pages per row] lists row b's pages in token
+    order, so entry j of row b is ``pool[table[b, j // E], j % E]``; the pages belong to whoever assigns tables
+    (the serving engine; page 0 is the null page unassigned slots name), so row copies move table entries, not
+    entries. Without a table the cache owns its entries, ``pool`` [B, max_seq_len // ratio, width] indexed by row,
+    and copies contents."""
+
+    pool: torch.Tensor
     kv_state: torch.Tensor
     score_state: torch.Tensor
+    table: torch.Tensor | None = None
+
+    @property
+    def shared(self) -> bool:
+        """Whether the entries live on shared pages, addressed through ``table``."""
+        return self.table is not None
+
+    @property
+    def capacity(self) -> int:
+        """Entries a row can hold."""
+        return self.pool.shape[1] * (self.table.shape[1] if self.table is not None else 1)
+
+    def read(self, rows: int | None = None) -> torch.Tensor:
+        """Every entry slot of the first ``rows`` rows (all when None) in entry order, [rows, capacity, width]: what
+        attention and the indexer read (on shared pages a gathered copy, else a view)."""
+        if self.table is None:
+            return self.pool if rows is None else self.pool[:rows]
+        table = self.table if rows is None else self.table[:rows]
+        return self.pool[table].flatten(1, 2)
+
+    def locate(self, rows: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where entries ``index`` of batch ``rows`` (broadcast against each other) live: ``pool[first, second]``."""
+        if self.table is None:
+            return rows, index
+        per_page = self.pool.shape[1]
+        return self.table[rows, index // per_page], index % per_page
+
+    def write(self, rows: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+        """Stores ``values`` [..., width] as entries ``index`` of batch ``rows`` (broadcast against each other)."""
+        self.pool[self.locate(rows, index)] = values
+
+    def write_range(self, first: int, values: torch.Tensor) -> None:
+        """Stores ``values`` [B, n, width] as entries ``first..first+n-1`` of rows ``0..B-1``."""
+        bsz, n = values.shape[:2]
+        rows = torch.arange(bsz, device=values.device).unsqueeze(1)
+        self.write(rows, first + torch.arange(n, device=values.device), values)
 
     def reset_rows(self, rows: torch.Tensor) -> None:
-        """Clears the given batch rows (a new sequence starts there)."""
-        self.entries[rows] = 0
+        """Clears the given batch rows (a new sequence starts there): their entries too unless on shared pages."""
+        if self.table is None:
+            self.pool[rows] = 0
         self.kv_state[rows] = 0
         self.score_state[rows] = float("-inf")
 
     def rows(self, start: int, stop: int) -> CompressorCache:
         """Batch rows ``start..stop-1``, sharing storage."""
-        return CompressorCache(self.entries[start:stop], self.kv_state[start:stop], self.score_state[start:stop])
+        if self.table is None:
+            return CompressorCache(self.pool[start:stop], self.kv_state[start:stop], self.score_state[start:stop])
+        return CompressorCache(self.pool, self.kv_state[start:stop], self.score_state[start:stop],
+                               self.table[start:stop])
 
     def copy_row(self, dst_row: int, src: CompressorCache, src_row: int, entries: bool = True) -> None:
-        """Copies one sequence's state (and its entries unless ``entries`` is False) from ``src`` row ``src_row``."""
-        if entries:
-            self.entries[dst_row] = src.entries[src_row]
+        """Copies one sequence's state (and its entries unless ``entries`` is False) from ``src`` row ``src_row``:
+        between caches on the same shared pages its table row (the caller moves the pages' ownership), else the
+        entries themselves."""
+        if entries and self.table is not None and src.table is not None and self.pool is src.pool:
+            self.table[dst_row] = src.table[src_row]
+        elif entries:
+            values = src.rows(src_row, src_row + 1).read()[0, : self.capacity]
+            index = torch.arange(values.shape[0], device=self.pool.device)
+            self.write(torch.tensor(dst_row, device=self.pool.device), index, values)
         self.kv_state[dst_row] = src.kv_state[src_row]
         self.score_state[dst_row] = src.score_state[src_row]
 
@@ -74,29 +138,49 @@ class LayerCache:
         per row from ``positions`` [B]; -1 = none): compressed entries [B, N', d] and the chosen ids as indices
         into them. Every entry is resident in this cache, so that is the entry store with the ids unchanged; a
         cache keeping entries elsewhere (HiSparse's host tier) brings the chosen ones in instead."""
-        return self.compressor.entries[: chosen.shape[0]], chosen
+        return self.compressor.read(chosen.shape[0]), chosen
 
 
 def compressor_cache(
     batch: int, max_seq_len: int, ratio: int, width: int, device: torch.device | None
 ) -> CompressorCache:
-    """A cleared compressor cache: ``max_seq_len // ratio`` entries per row and the fp32 open-block state."""
+    """A cleared compressor cache owning its entries (``max_seq_len // ratio`` per row) and the fp32 open-block
+    state."""
     c = 2 if ratio == 4 else 1
     return CompressorCache(
-        entries=torch.zeros(batch, max_seq_len // ratio, width, dtype=torch.bfloat16, device=device),
+        pool=torch.zeros(batch, max_seq_len // ratio, width, dtype=torch.bfloat16, device=device),
         kv_state=torch.zeros(batch, c * ratio, c * width, dtype=torch.float32, device=device),
         score_state=torch.full((batch, c * ratio, c * width), float("-inf"), dtype=torch.float32, device=device),
     )
 
 
+def paged_compressor_cache(pool: torch.Tensor, table: torch.Tensor, ratio: int) -> CompressorCache:
+    """A cleared compressor cache on shared pages ``pool`` with the cache's page ``table`` [B, pages]."""
+    c, width, batch = 2 if ratio == 4 else 1, pool.shape[-1], table.shape[0]
+    return CompressorCache(
+        pool=pool,
+        kv_state=torch.zeros(batch, c * ratio, c * width, dtype=torch.float32, device=pool.device),
+        score_state=torch.full((batch, c * ratio, c * width), float("-inf"), dtype=torch.float32, device=pool.device),
+        table=table,
+    )
+
+
 class V4Cache:
-    """All layer caches of one model for ``batch_size`` sequences of at most ``max_seq_len`` tokens."""
+    """All layer caches of one model for ``batch_size`` sequences of at most ``max_seq_len`` tokens.
+
+    With ``pages`` (shared ``EntryPages``) the compressed entries it has pools for live there, addressed through
+    one page ``table`` [batch_size, pages of max_seq_len tokens] for every layer, all null (page 0) until the
+    owner of the pages assigns them; without, the cache owns its entries, row by row."""
 
     def __init__(self, config: V4Config, batch_size: int, max_seq_len: int | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, pages: EntryPages | None = None) -> None:
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len or config.max_seq_len
         device = torch.device(device) if device is not None else None
+        self.pages = pages
+        self.table: torch.Tensor | None = None
+        if pages is not None:
+            self.table = torch.zeros(batch_size, -(-self.max_seq_len // PAGE_TOKENS), dtype=torch.long, device=device)
         self.layers = [self.new_layer(config, i, device) for i in range(config.n_layers)]
         self.mtp: list[LayerCache] = [
             LayerCache(torch.zeros(batch_size, config.window_size, config.head_dim, dtype=torch.bfloat16,
@@ -109,10 +193,20 @@ class V4Cache:
         window = torch.zeros(self.batch_size, config.window_size, config.head_dim, dtype=torch.bfloat16, device=device)
         layer = LayerCache(window=window)
         if ratio:
-            layer.compressor = compressor_cache(self.batch_size, self.max_seq_len, ratio, config.head_dim, device)
+            layer.compressor = self.new_compressor(index, "compressor", ratio, config.head_dim, device)
         if ratio == 4:
-            layer.indexer = compressor_cache(self.batch_size, self.max_seq_len, ratio, config.index_head_dim, device)
+            layer.indexer = self.new_compressor(index, "indexer", ratio, config.index_head_dim, device)
         return layer
+
+    def new_compressor(self, index: int, kind: str, ratio: int, width: int,
+                       device: torch.device | None) -> CompressorCache:
+        """Main layer ``index``'s ``kind`` ("compressor" or "indexer") cache: on the shared pages where they hold
+        a pool for it, else owning its entries."""
+        pool = self.pages.pools.get((index, kind)) if self.pages is not None else None
+        if pool is None:
+            return compressor_cache(self.batch_size, self.max_seq_len, ratio, width, device)
+        assert self.table is not None
+        return paged_compressor_cache(pool, self.table, ratio)
 
     @property
     def all_layers(self) -> list[LayerCache]:
@@ -129,6 +223,7 @@ class V4Cache:
         """A cache over batch rows ``start..stop-1`` that shares storage with this one (writes go through)."""
         view = copy.copy(self)
         view.batch_size = stop - start
+        view.table = None if self.table is None else self.table[start:stop]
         view.layers = [layer.rows(start, stop) for layer in self.layers]
         view.mtp = [layer.rows(start, stop) for layer in self.mtp]
         return view
@@ -154,16 +249,16 @@ class V4Cache:
             c.score_state[closing, :4] = score_prev[closing]
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every cache tensor, layer by layer (window, then each compressor's entries and state): what two
-        caches must agree on to hold the same sequences."""
-        out = []
+        """Every tensor this cache owns, layer by layer (window, then each compressor's pages unless shared, page
+        table and state): what its rows cost, shared pages apart."""
+        out = [] if self.table is None else [self.table]
         for layer in self.all_layers:
             out.append(layer.window)
             for c in (layer.compressor, layer.indexer):
                 if c is not None:
-                    out += [c.entries, c.kv_state, c.score_state]
+                    out += [c.kv_state, c.score_state] if c.shared else [c.pool, c.kv_state, c.score_state]
         return out
 
     def nbytes(self) -> int:
-        """Bytes held by every cache tensor."""
+        """Bytes held by every tensor this cache owns (shared pages not counted)."""
         return sum(t.nbytes for t in self.tensors())

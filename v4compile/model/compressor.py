@@ -84,7 +84,7 @@ class Compressor(nn.Module):
         entries = self.finish(pooled, entry_pos, freqs)
         if cache is not None:
             self._store_prefill_state(kv, score, cutoff, cache)
-            cache.entries[:bsz, :n] = entries
+            cache.write_range(0, entries)
         return entries
 
     def _store_prefill_state(self, kv: torch.Tensor, score: torch.Tensor, cutoff: int, cache: CompressorCache) -> None:
@@ -126,7 +126,7 @@ class Compressor(nn.Module):
                 score_blocks = torch.cat((prev_score[..., :w], score_blocks[..., w:]), dim=2)
             pooled = (kv_blocks * score_blocks.softmax(dim=2)).sum(dim=2)
             entry_pos = (first + torch.arange(n_new, device=x.device)) * ratio
-            cache.entries[:bsz, first : first + n_new] = self.finish(pooled, entry_pos, freqs)
+            cache.write_range(first, self.finish(pooled, entry_pos, freqs))
             if self.overlap:
                 cache.kv_state[:bsz, :ratio] = kv[:, cutoff - ratio : cutoff]
                 cache.score_state[:bsz, :ratio] = score[:, cutoff - ratio : cutoff]
@@ -135,7 +135,7 @@ class Compressor(nn.Module):
         cache.score_state[:bsz, offset:] = float("-inf")
         cache.kv_state[:bsz, offset : offset + rem] = kv[:, cutoff:]
         cache.score_state[:bsz, offset : offset + rem] = score[:, cutoff:]
-        return cache.entries[:bsz, : (start + seqlen) // ratio]
+        return cache.read(bsz)[:, : (start + seqlen) // ratio]
 
     def forward_decode(
         self, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, cache: CompressorCache
@@ -169,9 +169,9 @@ class Compressor(nn.Module):
         entry_index = positions // ratio
         entry = self.finish(pooled, entry_index * ratio, freqs)
         emit = ((positions + 1) % ratio == 0).unsqueeze(-1)
-        slot_index = entry_index.clamp(max=cache.entries.shape[1] - 1)
-        old = cache.entries[rows, slot_index]
-        cache.entries[rows, slot_index] = torch.where(emit, entry, old)
+        slot_index = entry_index.clamp(max=cache.capacity - 1)
+        where = cache.locate(rows, slot_index)
+        cache.pool[where] = torch.where(emit, entry, cache.pool[where])
         if self.overlap:
             e3 = emit.unsqueeze(-1)
             cache.kv_state[:bsz, :ratio] = torch.where(e3, kv_state[:, ratio:], kv_state[:, :ratio])

@@ -131,7 +131,7 @@ class Indexer(nn.Module):
         bsz, seqlen = x.shape[:2]
         pos = positions.unsqueeze(-1) + torch.arange(seqlen, device=x.device)
         self.compressor.forward_decode(x, positions, freqs, cache)
-        keys = cache.entries[:bsz]
+        keys = cache.read(bsz)
         q = self.queries(qr, cos, sin)
         scores = self.scores(x, q, keys)
         count = ((pos + 1) // self.ratio).unsqueeze(-1)

@@ -1,8 +1,8 @@
 """The serving engine: continuous batching over a fixed set of decode rows, chunked prefill in staging
-rows, and prefix caching through ShadowRadix. Each step reads as schedule -> run -> postprocess: the
-``Scheduler`` decides what runs (``scheduler.py``), the ``ModelRunner`` runs it (``model_runner.py``), the
-engine samples and hands the results back; the ``CacheManager`` owns every cache (``cache_manager.py``) and the
-``Speculator`` drives MTP speculation (``speculative.py``).
+rows, compressed entries on shared pages, and prefix caching through ShadowRadix. Each step reads as
+schedule -> run -> postprocess: the ``Scheduler`` decides what runs (``scheduler.py``), the ``ModelRunner``
+runs it (``model_runner.py``), the engine samples and hands the results back; the ``CacheManager`` owns every
+cache (``cache_manager.py``) and the ``Speculator`` drives MTP speculation (``speculative.py``).
 
 Why the shapes are what they are: every prompt is prefilled in pieces whose boundaries are fixed
 multiples of ``piece`` tokens counted from position 0, and every decode step runs a static bucket of rows.
@@ -37,12 +37,15 @@ _LOG = logs.logger("engine")
 class Engine:
     """Serves generation requests on ``model`` (a ``DeepSeekV4`` or an ``OptimizedModel`` of one).
 
-    ``memory_budget`` (bytes) pays first for the working caches (``max_batch`` decode rows and one
-    staging row per concurrent prefill, each sized for ``max_seq_len``), and the rest holds the prefix
-    cache's pools. ``max_batch_tokens`` is the largest prefill piece per step (rounded down to a divisor
-    of the cache ``chunk``); ``decode_buckets`` are the static decode batch sizes (default: powers of two
-    up to ``max_batch``). ``tail_every`` > 0 also caches a window tail every that many chunks while a prompt
-    is prefilled (fewer tokens recomputed after a branch, more bytes); 0 keeps one at the prompt's end only.
+    ``memory_budget`` (bytes) pays first for the rows (``max_batch`` decode rows and one staging row per
+    concurrent prefill: window rings, compressor states, page tables), then for the prefix cache's window tails,
+    and the rest is entry pages that every sequence and cached prefix share: a request takes the pages of its
+    prompt and ``max_new_tokens`` when admitted (a prefix hit maps the cached ones, copying no entries), so
+    admission is by free pages (``cache_manager.py``). ``max_batch_tokens`` is the largest prefill piece per
+    step (rounded down to a divisor of the cache ``chunk``); ``decode_buckets`` are the static decode batch
+    sizes (default: powers of two up to ``max_batch``). ``tail_every`` > 0 also caches a window tail every that
+    many chunks while a prompt is prefilled (fewer tokens recomputed after a branch, more bytes); 0 keeps one at
+    the prompt's end only.
     ``deterministic``: one decode bucket (every step the same shapes), torch's deterministic algorithms and
     batch-invariant matrix products for the process (``v4compile.batch_invariant``), so a sequence's
     log-probs depend neither on what else runs nor on how its tokens were split into chunks and steps.
@@ -72,7 +75,8 @@ class Engine:
         self.chunk = chunk or default_chunk(self.config)
         if max_batch_tokens < 1 or max_batch < 1 or max_prefills < 1:
             raise ValueError("max_batch_tokens, max_batch and max_prefills must be positive")
-        plan = plan_memory(self.config, self.max_seq_len, memory_budget, max_batch, max_prefills, hisparse_budget)
+        plan = plan_memory(self.config, self.max_seq_len, memory_budget, max_batch, max_prefills, hisparse_budget,
+                           prefix_cache)
         if deterministic:
             torch.use_deterministic_algorithms(True)
             batch_invariant.enable()
@@ -169,15 +173,25 @@ class Engine:
         prompt being prefilled (moving finished prompts to decode rows), then one decode step of every decode
         row; cancelled requests are dropped first."""
         with torch.no_grad():
-            self.caches.move_rows(self.scheduler.drop_cancelled())
-            for seq in self.scheduler.admit():
-                self._begin_prefill(seq)
+            self._move_rows(self.scheduler.drop_cancelled())
+            self._release_retired()
+            self.scheduler.admit(self._begin_prefill)
             for seq in list(self.scheduler.prefilling):
                 self._prefill_piece(seq)
             batch = self.scheduler.decode_batch()
             if batch is not None:
                 self._decode(batch)
-                self.caches.move_rows(self.scheduler.compact())
+                self._move_rows(self.scheduler.compact())
+            self._release_retired()
+
+    def _move_rows(self, moves: list[tuple[int, int]]) -> None:
+        self.caches.move_rows(moves, live=len(self.scheduler.decoding))
+
+    def _release_retired(self) -> None:
+        """Gives back the pages of every sequence that finished, was cancelled or failed since the last call."""
+        for seq in self.scheduler.take_retired():
+            self.caches.release(seq.pages)
+            seq.pages = []
 
     def weights_updated(self) -> None:
         """Call after changing the model's weights (an RL step): drops every cached prefix, whose KV the old
@@ -226,18 +240,24 @@ class Engine:
         if len(tokens) + limit > self.max_seq_len:
             raise RequestError(f"prompt of {len(tokens)} tokens plus {limit} new tokens exceeds max_seq_len "
                                f"{self.max_seq_len}")
+        self.caches.check_fits(len(tokens) + limit)
         return tokens
 
     # ------------------------------------------------------------------ prefill
-    def _begin_prefill(self, seq: Sequence) -> None:
-        """Prepares an admitted sequence's staging row, resuming from the prefix cache unless it records routing
-        (the cache holds none)."""
+    def _begin_prefill(self, seq: Sequence) -> bool:
+        """Prepares a sequence's staging row and pages, resuming from the prefix cache unless it records routing
+        (the cache holds none); False, changing nothing, when too few pages are free for it."""
+        hit = self.caches.begin_prefill(seq.slot, seq.prompt, restore=not seq.mode.record_routing,
+                                        tokens=len(seq.prompt) + seq.max_new)
+        if hit is None:
+            return False
+        seq.pages = hit.pages
         seq.out.cache.prompt_tokens = len(seq.prompt)
-        hit = self.caches.begin_prefill(seq.slot, seq.prompt, restore=not seq.mode.record_routing)
         seq.done = seq.out.cache.cached_tokens = hit.resume_len
         seq.out.cache.recomputed_tokens = hit.recompute_tokens
         _LOG.info("request %d admitted: %d prompt tokens, %d from the prefix cache", seq.out.index,
                   len(seq.prompt), seq.out.cache.cached_tokens)
+        return True
 
     def _prefill_piece(self, seq: Sequence) -> None:
         """Computes the next piece of ``seq``'s prompt; after the last one samples its first token (and with MTP
@@ -250,7 +270,7 @@ class Engine:
             self.speculator.keep_streams(seq, hidden)
         seq.done = stop
         seq.out.cache.prefill_tokens += stop - start
-        self.caches.save_prefix(seq.prompt, stop, seq.slot)
+        self.caches.save_prefix(seq.prompt, stop, seq.slot, seq.pages)
         if stop < len(seq.prompt):
             return
         seq.emit(self.runner.logits(hidden[:, -1:])[0, 0])

@@ -40,6 +40,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from ..model.cache import CompressorCache, LayerCache, V4Cache, compressor_cache
 from ..model.config import V4Config
+from ..model.pages import EntryPages
 
 COUNTERS = ("lookups", "hits", "fetched", "backed_up", "calls")
 """Device counters: chosen entries looked up, those already on the device (resident, or new this step),
@@ -58,11 +59,12 @@ def min_hot_entries(batch: int, topk: int, tokens_per_step: int = 1) -> int:
 
 
 def device_row_bytes(config: V4Config, max_seq_len: int) -> int:
-    """Device bytes of one decode row under HiSparse: a full cache row without its C4 main entries (one
-    entry of new-entry store left per C4 layer) plus its part of the slot map (int32 per entry)."""
+    """Device bytes of one decode row under HiSparse, entry pages apart: a row on pages without C4 main entries
+    (window rings, states, page table) with a one-entry new-entry store per C4 layer, plus its part of the slot
+    map (int32 per entry)."""
     n_c4, entries = sum(r == 4 for r in config.layer_ratios), max_seq_len // 4
-    full = V4Cache(config, 1, max_seq_len, "meta").nbytes()
-    return full - n_c4 * (entries - 1) * config.head_dim * 2 + n_c4 * entries * 4
+    row = V4Cache(config, 1, max_seq_len, "meta", EntryPages(config, 2, "meta", c4_main=False)).nbytes()
+    return row - n_c4 * (entries - 1) * config.head_dim * 2 + n_c4 * entries * 4
 
 
 def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -341,12 +343,14 @@ class HotLayerCache(LayerCache):
         self.window[dst_row] = src.window[src_row]
         self.indexer.copy_row(dst_row, src.indexer, src_row)
         self.compressor.copy_row(dst_row, src.compressor, src_row, entries=False)
-        self.hisparse.store_row(self.first_row + dst_row, self.c4_layer, src.compressor.entries[src_row])
+        self.hisparse.store_row(self.first_row + dst_row, self.c4_layer,
+                                src.compressor.rows(src_row, src_row + 1).read()[0])
 
     def sparse_entries(self, chosen: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The chosen entries brought into the hot buffer and gathered (see ``HiSparse.lookup``)."""
         assert self.compressor is not None
-        return self.hisparse.lookup(self.c4_layer, self.first_row, chosen, positions, self.compressor.entries)
+        return self.hisparse.lookup(self.c4_layer, self.first_row, chosen, positions,
+                                    self.compressor.read(chosen.shape[0]))
 
 
 class HiSparseCache(V4Cache):
@@ -354,9 +358,10 @@ class HiSparseCache(V4Cache):
     ``hisparse``'s host tier and hot buffer; everything else as in ``V4Cache``. ``copy_row`` and ``reset``
     act on the whole cache (not on a ``rows`` view)."""
 
-    def __init__(self, config: V4Config, hisparse: HiSparse, device: torch.device | str | None = None) -> None:
+    def __init__(self, config: V4Config, hisparse: HiSparse, device: torch.device | str | None = None,
+                 pages: EntryPages | None = None) -> None:
         self.hisparse = hisparse
-        super().__init__(config, hisparse.rows, hisparse.entries * 4, device)
+        super().__init__(config, hisparse.rows, hisparse.entries * 4, device, pages)
 
     def new_layer(self, config: V4Config, index: int, device: torch.device | None) -> LayerCache:
         """C4 layers get a ``HotLayerCache``; the others are as in ``V4Cache``."""
@@ -364,7 +369,7 @@ class HiSparseCache(V4Cache):
             return super().new_layer(config, index, device)
         window = torch.zeros(self.batch_size, config.window_size, config.head_dim, dtype=torch.bfloat16, device=device)
         return HotLayerCache(window, compressor_cache(self.batch_size, 4, 4, config.head_dim, device),
-                             compressor_cache(self.batch_size, self.max_seq_len, 4, config.index_head_dim, device),
+                             self.new_compressor(index, "indexer", 4, config.index_head_dim, device),
                              self.hisparse, self.hisparse.layers.index(index))
 
     def copy_row(self, dst_row: int, src: V4Cache, src_row: int) -> None:

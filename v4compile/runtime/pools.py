@@ -130,3 +130,52 @@ class PoolSet(Mapping[str, SlotPool]):
             }
             for name, pool in self._pools.items()
         }
+
+
+class PagePool(SlotPool):
+    """The engine's entry pages (``model/pages.py``): ids ``1..n_pages-1`` (page 0 is the null page, never handed
+    out), each with a reference count, since a cached prefix and every request resuming from it hold the same
+    pages. ``alloc`` hands out pages with one reference, ``retain`` adds one, ``free`` drops one and returns a
+    page to the pool when its last goes. Bookkeeping only, like ``SlotPool``."""
+
+    def __init__(self, name: str, n_pages: int, bytes_per_page: int = 0) -> None:
+        super().__init__(name, max(n_pages - 1, 0), bytes_per_page)
+        self._free = list(range(1, n_pages))
+        self._refs: dict[int, int] = {}
+
+    def alloc(self, n: int) -> list[int]:
+        """Takes ``n`` free pages, lowest first, each with one reference; ``PoolExhausted`` (taking nothing) if too
+        few are free."""
+        pages = super().alloc(n)
+        self._refs.update((page, 1) for page in pages)
+        return pages
+
+    def retain(self, pages: Iterable[int]) -> None:
+        """Adds a reference to each of ``pages``; ``ValueError`` (changing nothing) on a page not in use."""
+        pages = list(pages)
+        unknown = [page for page in pages if page not in self._refs]
+        if unknown:
+            raise ValueError(f"pool {self.name!r}: cannot retain page {unknown[0]}, which is not in use")
+        for page in pages:
+            self._refs[page] += 1
+
+    def free(self, slots: Iterable[int]) -> None:
+        """Drops one reference from each page (a page listed twice loses two); pages left without one return to
+        the pool. ``ValueError`` (changing nothing) when a page would drop below zero references."""
+        pages = list(slots)
+        drops: dict[int, int] = {}
+        for page in pages:
+            drops[page] = drops.get(page, 0) + 1
+            if drops[page] > self._refs.get(page, 0):
+                raise ValueError(f"pool {self.name!r}: page {page} is not in use (double free or unknown page)")
+        released = []
+        for page, n in drops.items():
+            self._refs[page] -= n
+            if not self._refs[page]:
+                del self._refs[page]
+                released.append(page)
+        super().free(released)
+
+    def refs(self, page: int) -> int:
+        """References held on ``page`` (0 when free)."""
+        return self._refs.get(page, 0)

@@ -1,17 +1,16 @@
-"""The prefix cache's pools: slot bookkeeping plus the tensors behind it, and the copies between them and a
-cache row. This is the only runtime code that reads or writes a ``V4Cache``'s tensors directly.
+"""The prefix cache's own pools: window tails and compressor-state snapshots (plus, under HiSparse, C4 main
+entries in host memory), and the copies between them and a cache row. A cached prefix's other compressed entries
+are not here: they stay on the engine's shared entry pages (``model/pages.py``), which a hit maps into the
+request's page table without copying.
 
 Pools and their bytes:
 
 - ``window``: one token's window KV in every layer (bf16), kept only as tails of ``window`` tokens;
-- ``c4`` / ``c4_index``: one C4 entry / indexer key in every C4 layer; ``c128``: one C128 entry in every
-  C128 layer;
 - ``state``: one snapshot of every C4 compressor's state (fp32): at a boundary (a multiple of 128) no block
   is open, and the next entry reads only the left half of the previous block's rows, so that is all a
-  snapshot keeps; C128 compressors hold nothing there.
-
-With ``host_c4`` (HiSparse) the ``c4`` pool's tensor lives in host memory (pinned on a GPU machine) and the
-device budget pays only for the other pools: a hit copies the cached C4 entries back from there.
+  snapshot keeps; C128 compressors hold nothing there;
+- ``c4`` (with ``host_c4``, HiSparse): one C4 main entry in every C4 layer, in host memory (pinned on a GPU
+  machine), copied into the staging row's own C4 store on a hit: HiSparse keeps those entries off the pages.
 """
 
 from __future__ import annotations
@@ -23,62 +22,48 @@ from ..model.config import V4Config
 from .pools import PoolSet, SlotPool
 
 TAIL_SHARE = 0.25
-"""Fraction of the pool budget spent on window tails (plus their state snapshots)."""
+"""Fraction of the cache budget left after the rows spent on window tails (plus their state snapshots)."""
 
-RATIOS = {"c4": 4, "c4_index": 4, "c128": 128}
-"""Tokens per slot of the compressed pools."""
+
+def tail_bytes(config: V4Config) -> int:
+    """Bytes of one window tail and its state snapshot."""
+    n_c4 = sum(r == 4 for r in config.layer_ratios)
+    return config.window_size * len(config.layer_ratios) * config.head_dim * 2 + \
+        n_c4 * 4 * 4 * 2 * (config.head_dim + config.index_head_dim)
 
 
 class PrefixPools:
-    """Slot pools (``pools``) and a preallocated tensor per pool, sized to ``budget`` device bytes for
-    ``chunk``-token granules (the ``c4`` pool, when ``host_c4``, sized alike in host memory)."""
+    """Slot pools (``pools``) and a preallocated tensor per pool: ``tails`` window tails and state snapshots on
+    ``device`` and, with ``host_c4``, host memory for ``c4_tokens`` tokens of C4 main entries."""
 
-    def __init__(self, config: V4Config, chunk: int, budget: int, device: torch.device, host_c4: bool = False) -> None:
+    def __init__(self, config: V4Config, tails: int, device: torch.device, host_c4: bool = False,
+                 c4_tokens: int = 0) -> None:
         ratios = config.layer_ratios
         self.window, self.host_c4 = config.window_size, host_c4
         self.c4 = [i for i, r in enumerate(ratios) if r == 4]
-        self.c128 = [i for i, r in enumerate(ratios) if r == 128]
         d, di, n = config.head_dim, config.index_head_dim, len(ratios)
-        sizes = {"window": n * d * 2, "c4": len(self.c4) * d * 2, "c4_index": len(self.c4) * di * 2,
-                 "c128": len(self.c128) * d * 2, "state": len(self.c4) * 4 * 4 * 2 * (d + di)}
-        tail_bytes = self.window * sizes["window"] + sizes["state"]
-        tails = max(1, int(budget * TAIL_SHARE) // tail_bytes)
-        per_token = (0 if host_c4 else sizes["c4"] / 4) + sizes["c4_index"] / 4 + sizes["c128"] / 128
-        tokens = max(0, int((budget - tails * tail_bytes) / per_token)) // chunk * chunk if per_token else 0
-        capacity = {"window": tails * self.window, "state": tails, "c4": tokens // 4, "c4_index": tokens // 4,
-                    "c128": tokens // 128}
+        sizes = {"window": n * d * 2, "state": len(self.c4) * 4 * 4 * 2 * (d + di)}
+        capacity = {"window": tails * self.window, "state": tails}
+        if host_c4:
+            sizes["c4"], capacity["c4"] = len(self.c4) * d * 2, c4_tokens // 4
         self.pools = PoolSet(SlotPool(name, capacity[name], sizes[name]) for name in sizes)
-
-        def store(layers: int, cap: int, width: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-            return torch.zeros(layers, cap, width, dtype=dtype, device=device)
-
-        self.window_kv = store(n, capacity["window"], d)
-        self.c4_entries = (torch.zeros(len(self.c4), capacity["c4"], d, dtype=torch.bfloat16,
-                                       pin_memory=torch.device(device).type == "cuda")
-                           if host_c4 else store(len(self.c4), capacity["c4"], d))
-        self.c4_keys = store(len(self.c4), capacity["c4_index"], di)
-        self.c128_entries = store(len(self.c128), capacity["c128"], d)
-        shape = (len(self.c4), capacity["state"], 4)
+        self.window_kv = torch.zeros(n, capacity["window"], d, dtype=torch.bfloat16, device=device)
+        self.c4_entries = torch.zeros(len(self.c4), capacity.get("c4", 0), d, dtype=torch.bfloat16,
+                                      pin_memory=host_c4 and torch.device(device).type == "cuda")
+        shape = (len(self.c4), tails, 4)
         self.states = {name: torch.zeros(*shape, w, dtype=torch.float32, device=device)
                        for name, w in (("kv", d), ("score", d), ("index_kv", di), ("index_score", di))}
 
-    def entry_counts(self, known: int, end: int) -> dict[str, int]:
-        """Slots per compressed pool that tokens ``known..end-1`` (both multiples of 128) fill."""
-        return {name: (end - known) // ratio if (self.c128 if ratio == 128 else self.c4) else 0
-                for name, ratio in RATIOS.items()}
-
     # ------------------------------------------------------------------ copy in
-    def load(self, cache: V4Cache, end: int, slots: dict[str, list[int]], tail: list[int], state: int) -> None:
-        """Copies a cached prefix of ``end`` tokens into row 0 of ``cache``: its compressed entries from
-        ``slots`` (per compressed pool), its window tail from ``tail`` and its compressor states from snapshot
-        ``state``."""
+    def load(self, cache: V4Cache, end: int, tail: list[int], state: int, c4: list[int]) -> None:
+        """Copies a cached prefix of ``end`` tokens into row 0 of ``cache``: its window tail from ``tail``, its
+        compressor states from snapshot ``state`` and (host C4) its C4 main entries from slots ``c4``."""
         layers = cache.layers
-        ids = {name: self._ids(ids, name) for name, ids in slots.items()}
-        for j, i in enumerate(self.c4):
-            layers[i].compressor.entries[0, : end // 4] = self.c4_entries[j, ids["c4"]].to(self.window_kv.device)
-            layers[i].indexer.entries[0, : end // 4] = self.c4_keys[j, ids["c4_index"]]
-        for j, i in enumerate(self.c128):
-            layers[i].compressor.entries[0, : end // 128] = self.c128_entries[j, ids["c128"]]
+        if self.host_c4:
+            ids = self._ids(c4, self.c4_entries.device)
+            for j, i in enumerate(self.c4):
+                entries = self.c4_entries[j, ids].to(self.window_kv.device)
+                layers[i].compressor.rows(0, 1).write_range(0, entries.unsqueeze(0))
         window, ring = self._ids(tail), self._ring(end)
         for i, layer in enumerate(layers):
             layer.window[0, ring] = self.window_kv[i, window]
@@ -89,16 +74,12 @@ class PrefixPools:
                 cached.score_state[0, :4, :w] = self.states[prefix + "score"][j, state]
 
     # ------------------------------------------------------------------ copy out
-    def store_entries(self, cache: V4Cache, known: int, end: int, slots: dict[str, list[int]]) -> None:
-        """Copies row 0's compressed entries of tokens ``known..end-1`` into ``slots`` (per compressed pool)."""
-        layers = cache.layers
-        ids = {name: self._ids(ids, name) for name, ids in slots.items()}
+    def store_c4(self, cache: V4Cache, known: int, end: int, c4: list[int]) -> None:
+        """Copies row 0's C4 main entries of tokens ``known..end-1`` into host slots ``c4``."""
+        ids = self._ids(c4, self.c4_entries.device)
         for j, i in enumerate(self.c4):
-            self.c4_entries[j, ids["c4"]] = layers[i].compressor.entries[0, known // 4 : end // 4].to(
-                self.c4_entries.device)
-            self.c4_keys[j, ids["c4_index"]] = layers[i].indexer.entries[0, known // 4 : end // 4]
-        for j, i in enumerate(self.c128):
-            self.c128_entries[j, ids["c128"]] = layers[i].compressor.entries[0, known // 128 : end // 128]
+            entries = cache.layers[i].compressor.rows(0, 1).read()[0, known // 4 : end // 4]
+            self.c4_entries[j, ids] = entries.to(self.c4_entries.device)
 
     def store_tail(self, cache: V4Cache, end: int, window: list[int], state: int) -> None:
         """Copies row 0's window tail ending at ``end`` into ``window`` slots and its C4 compressor states into
@@ -113,9 +94,8 @@ class PrefixPools:
                 self.states[prefix + "kv"][j, state] = cached.kv_state[0, :4, :w]
                 self.states[prefix + "score"][j, state] = cached.score_state[0, :4, :w]
 
-    def _ids(self, slots: list[int], pool: str = "window") -> torch.Tensor:
-        device = self.c4_entries.device if pool == "c4" else self.window_kv.device
-        return torch.tensor(slots, dtype=torch.long, device=device)
+    def _ids(self, slots: list[int], device: torch.device | None = None) -> torch.Tensor:
+        return torch.tensor(slots, dtype=torch.long, device=device or self.window_kv.device)
 
     def _ring(self, end: int) -> torch.Tensor:
         """Ring slots of the window tail ending at ``end`` (tokens end - window .. end - 1)."""

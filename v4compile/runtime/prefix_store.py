@@ -1,84 +1,111 @@
-"""The prefix cache: ShadowRadix deciding which slots hold which cached prefix, over ``PrefixPools`` holding them.
+"""The prefix cache: ShadowRadix deciding which pages, tails and snapshots hold which cached prefix.
 
-A request's staging row is copied in from the pools on a hit (compressed entries up to the resume boundary, the
-window tail into the ring, the C4 compressor states) and copied out once its prompt's deepest chunk boundary is
-computed. The tree and slot decisions are made here; the copies are ``PrefixPools``' (``prefix_pools.py``).
+A cached prefix's compressed entries are pages of the engine's shared entry pages: saving one adds the tree's
+reference to the pages the request computed, and a hit hands the request references to the tree's pages for its
+page table, copying no entries. What is copied on a hit is fixed-size: the window tail into the ring and the C4
+compressor states (``PrefixPools``, ``prefix_pools.py``), plus, under HiSparse, the C4 main entries kept in host
+memory.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..model.cache import V4Cache
+from ..model.cache import PAGE_TOKENS, V4Cache
 from ..model.config import V4Config
-from .pools import PoolExhausted
-from .prefix_pools import RATIOS, PrefixPools
+from .pools import PagePool, PoolExhausted, PoolSet
+from .prefix_pools import PrefixPools
 from .shadow_radix import ShadowRadix
 
 
 @dataclass
 class Hit:
-    """What a prompt found in the cache: the boundary its cache row resumes at, and the cached tokens
-    past it that must be computed again because their window tail was evicted."""
+    """What a prompt found in the cache: the boundary its cache row resumes at, the cached tokens past it that
+    must be computed again because their window tail was evicted, and the pages (one reference each, now the
+    caller's) holding the entries up to the boundary."""
 
     resume_len: int
     recompute_tokens: int
+    pages: list[int] = field(default_factory=list)
 
 
 def default_chunk(config: V4Config) -> int:
-    """The prefix-cache granule: 128 tokens (a C128 block, 32 C4 blocks), or the window if larger, rounded
-    up to a multiple of 128."""
-    return max(128, -(-config.window_size // 128) * 128)
+    """The prefix-cache granule: 128 tokens (a page: a C128 block, 32 C4 blocks), or the window if larger,
+    rounded up to a multiple of 128."""
+    return max(PAGE_TOKENS, -(-config.window_size // PAGE_TOKENS) * PAGE_TOKENS)
 
 
 class PrefixStore:
-    """ShadowRadix over ``PrefixPools`` sized to ``budget`` device bytes (the ``c4`` pool, when ``host_c4``, sized
-    alike in host memory), caching prefixes in ``chunk``-token granules."""
+    """ShadowRadix over the shared entry pages ``pages`` and ``tails`` window tails with their state snapshots
+    (on ``device``; with ``host_c4``, also host memory for ``c4_tokens`` tokens of C4 main entries), caching
+    prefixes in ``chunk``-token granules."""
 
-    def __init__(self, config: V4Config, chunk: int, budget: int, device: torch.device, host_c4: bool = False) -> None:
-        if chunk % 128:
-            raise ValueError(f"the prefix-cache chunk must be a multiple of 128 (a C128 block), got {chunk}")
-        self.tensors = PrefixPools(config, chunk, budget, device, host_c4)
-        self.pools = self.tensors.pools
-        self.tree = ShadowRadix(self.pools, chunk, config.window_size, RATIOS)
+    def __init__(self, config: V4Config, chunk: int, pages: PagePool, tails: int, device: torch.device,
+                 host_c4: bool = False, c4_tokens: int = 0) -> None:
+        if chunk % PAGE_TOKENS:
+            raise ValueError(f"the prefix-cache chunk must be a multiple of {PAGE_TOKENS} (a page), got {chunk}")
+        self.tensors = PrefixPools(config, tails, device, host_c4, c4_tokens)
+        self.pages = pages
+        self.pools = PoolSet([*self.tensors.pools.values(), pages])
+        ratios = {pages.name: PAGE_TOKENS, **({"c4": 4} if host_c4 else {})}
+        self.tree = ShadowRadix(self.pools, chunk, config.window_size, ratios)
 
     def restore(self, prompt: list[int], cache: V4Cache) -> Hit:
-        """Copies the deepest resumable cached prefix of ``prompt`` into row 0 of ``cache`` (freshly reset)."""
+        """The deepest resumable cached prefix of ``prompt``: its tail and states (and host C4 entries) copied
+        into row 0 of ``cache`` (freshly reset), its pages returned with a reference each for the row's table."""
         match = self.tree.match(prompt)
         node, end = match.resume_node, match.resume_len
         if end == 0:
             return Hit(0, match.recompute_tokens)
         assert node.window_tail is not None and node.state is not None  # a resume node has its tail
-        slots = {name: self.tree.prefix_slots(node, name) for name in RATIOS}
-        self.tensors.load(cache, end, slots, node.window_tail, node.state)
-        return Hit(end, match.recompute_tokens)
+        c4 = self.tree.prefix_slots(node, "c4") if self.tensors.host_c4 else []
+        self.tensors.load(cache, end, node.window_tail, node.state, c4)
+        pages = self.tree.prefix_slots(node, self.pages.name)
+        self.pages.retain(pages)
+        return Hit(end, match.recompute_tokens, pages)
 
-    def save(self, tokens: list[int], cache: V4Cache) -> bool:
+    def save(self, tokens: list[int], cache: V4Cache, pages: list[int]) -> bool:
         """Caches the aligned prefix ``tokens`` whose state row 0 of ``cache`` holds right now (its ring holds
-        the last ``window`` tokens, its compressors the state at the boundary). Evicts least recently used
-        entries when the pools are full; returns False (caching nothing) when even that leaves no room."""
+        the last ``window`` tokens, its compressors the state at the boundary, its entries on ``pages``, the
+        row's pages in token order): the tree takes a reference to the pages it did not hold. Evicts least
+        recently used tails (and host entries) when those pools are full; returns False (caching nothing) when
+        even that leaves no room."""
         end = len(tokens)
         match = self.tree.match([*tokens, 0])
         known = match.compressed_len
         self.tree.lock(match.compressed_node, "full")
         try:
-            fresh = self._alloc(self.tensors.entry_counts(known, end))
+            host = {"c4": (end - known) // 4} if self.tensors.host_c4 else {}
+            needs_tail = known < end or match.compressed_node.window_tail is None
+            fresh = self._alloc({**host, **({"window": self.tensors.window, "state": 1} if needs_tail else {})})
             if fresh is None:
                 return False
-            needs_tail = known < end or match.compressed_node.window_tail is None
-            tail = self._alloc({"window": self.tensors.window, "state": 1}) if needs_tail else None
-            self.tensors.store_entries(cache, known, end, fresh)
-            slots = {name: self.tree.prefix_slots(match.compressed_node, name) + fresh[name] for name in fresh}
-            if tail is not None:
-                self.tensors.store_tail(cache, end, tail["window"], tail["state"][0])
-                self.tree.insert(tokens, slots, tail["window"], tail["state"][0])
+            if host:
+                self.tensors.store_c4(cache, known, end, fresh["c4"])
+            name = self.pages.name
+            new_pages = pages[known // PAGE_TOKENS : end // PAGE_TOKENS]
+            self.pages.retain(new_pages)
+            slots = {name: self.tree.prefix_slots(match.compressed_node, name) + new_pages}
+            if host:
+                slots["c4"] = self.tree.prefix_slots(match.compressed_node, "c4") + fresh["c4"]
+            if needs_tail:
+                self.tensors.store_tail(cache, end, fresh["window"], fresh["state"][0])
+                self.tree.insert(tokens, slots, fresh["window"], fresh["state"][0])
             else:
                 self.tree.insert(tokens, slots)
             return True
         finally:
             self.tree.unlock(match.compressed_node, "full")
+
+    def take_pages(self, n: int) -> list[int] | None:
+        """``n`` fresh pages (one reference each, the caller's), evicting unlocked cached prefixes, least recently
+        used first, while too few are free; None (taking nothing) when even that leaves too few."""
+        while self.pages.free_count < n:
+            if not self.tree.evict(self.pages.name, n - self.pages.free_count):
+                return None
+        return self.pages.alloc(n)
 
     def _alloc(self, wanted: dict[str, int]) -> dict[str, list[int]] | None:
         """Takes ``wanted`` slots per pool, evicting from the tree where a pool is short; None (taking nothing)

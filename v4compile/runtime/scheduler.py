@@ -12,6 +12,7 @@ computation that produces a token's KV does not depend on what else is running (
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .requests import RequestOutput
@@ -39,6 +40,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.decoding: list[Sequence] = []
+        self.retired: list[Sequence] = []
         self._by_output: dict[int, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
@@ -66,15 +68,20 @@ class Scheduler:
                 self._retire(seq)
         return self.compact() if any(s.cancelled for s in self.decoding) else []
 
-    def admit(self) -> list[Sequence]:
-        """Moves waiting sequences into free staging slots (each given its ``slot``) while a staging slot and a
-        decode row are free and the next one's mode matches the running sequences'; returns those admitted."""
+    def admit(self, begin: Callable[[Sequence], bool]) -> list[Sequence]:
+        """Moves waiting sequences into free staging slots (each given its ``slot``), first come first served, while
+        a staging slot and a decode row are free, the next one's mode matches the running sequences' and ``begin``
+        (which takes its cache pages) accepts it; returns those admitted."""
         admitted = []
         while self.waiting and len(self.prefilling) < self.max_prefills and \
                 len(self.prefilling) + len(self.decoding) < self.max_batch and self._fits_mode(self.waiting[0]):
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
             used = {s.slot for s in self.prefilling}
             seq.slot = next(slot for slot in range(self.max_prefills) if slot not in used)
+            if not begin(seq):
+                seq.slot = -1
+                break
+            self.waiting.popleft()
             self.prefilling.append(seq)
             admitted.append(seq)
         return admitted
@@ -116,10 +123,16 @@ class Scheduler:
         self.decoding[:] = keep
         return moves
 
+    def take_retired(self) -> list[Sequence]:
+        """The sequences retired since the last call (their pages go back)."""
+        out, self.retired = self.retired, []
+        return out
+
     def _retire(self, seq: Sequence) -> bool:
         if not seq.finish_if_done():
             return False
         self._by_output.pop(id(seq.out), None)
+        self.retired.append(seq)
         return True
 
 

@@ -28,7 +28,8 @@ class Mode:
 class Sequence:
     """A request's serving state: ``done`` prompt tokens computed (in staging row ``slot`` while prefilling),
     then decode row ``row``, the current ``token`` (the last one emitted) and, with MTP, its ``draft``;
-    ``hidden`` keeps the last window of a prefill's streams for the MTP block's first draft."""
+    ``hidden`` keeps the last window of a prefill's streams for the MTP block's first draft; ``pages`` are the
+    entry pages its row's table maps, in token order (one reference each, given back when it retires)."""
 
     index: int
     prompt: list[int]
@@ -48,6 +49,7 @@ class Sequence:
     top_p: float = 1.0
     stop_ids: frozenset[int] = frozenset()
     cancelled: bool = False
+    pages: list[int] = field(default_factory=list)
 
     @property
     def position(self) -> int:

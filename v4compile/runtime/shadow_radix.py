@@ -23,11 +23,12 @@ state (``_held``, ``_clock``, node splits) that a split into modules would have 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .pools import PoolSet
+from .pools import PagePool, PoolSet
 
 WINDOW_POOL = "window"
 STATE_POOL = "state"
@@ -227,6 +228,10 @@ class ShadowRadix:
         parts = [on_path.slots[pool] for on_path in self._ancestry(node)]
         return [slot for part in reversed(parts) for slot in part]
 
+    def held(self, pool: str) -> set[int]:
+        """A copy of the slots the tree owns in ``pool`` (for consistency checks)."""
+        return set(self._held[pool])
+
     def nodes(self) -> Iterator[RadixNode]:
         """Every node except the root, parents before children."""
         stack = list(self._root.children.values())
@@ -235,10 +240,12 @@ class ShadowRadix:
             yield node
             stack.extend(node.children.values())
 
-    def check(self, external: Mapping[str, set[int]] | None = None) -> None:
+    def check(self, external: Mapping[str, Iterable[int]] | None = None) -> None:
         """Raises ``AssertionError`` if an invariant fails: tree shape, slot list lengths, tail/state pairing,
-        lock counts, and slot ownership (each slot owned once, all allocated; with ``external``, the slots
-        held outside the tree, each pool's used set must be exactly the tree's plus the external ones)."""
+        lock counts, and slot ownership (each slot owned once by the tree, all allocated; with ``external``, the
+        slots held outside the tree, each pool's used set must be exactly the tree's plus the external ones; on a
+        ``PagePool``, where the tree and requests share pages, ``external`` lists a page once per outside holder
+        and every page's reference count must equal its holders)."""
         owned: dict[str, list[int]] = {name: [] for name in self._held}
         _expect(self._root.full_locks >= _child_locks(self._root), "root full locks below its children's")
         for node in self.nodes():
@@ -261,10 +268,18 @@ class ShadowRadix:
         for name, slots in owned.items():
             _expect(len(slots) == len(set(slots)), f"pool {name}: a slot is owned twice")
             _expect(set(slots) == self._held[name], f"pool {name}: ownership record out of date")
-            used = self.pools[name].owned()
+            pool = self.pools[name]
+            used = pool.owned()
             _expect(self._held[name] <= used, f"pool {name}: tree owns unallocated slots")
-            if external is not None:
-                outside = external.get(name, set())
+            if isinstance(pool, PagePool):
+                if external is not None:
+                    outside = Counter(external.get(name, ()))
+                    for page in used | set(outside):
+                        want = (page in self._held[name]) + outside[page]
+                        _expect(pool.refs(page) == want, f"pool {name}: page {page} has {pool.refs(page)} "
+                                                         f"references, its owners {want}")
+            elif external is not None:
+                outside = set(external.get(name, ()))
                 _expect(not (outside & self._held[name]), f"pool {name}: slot owned by tree and caller")
                 leaked = used - self._held[name] - outside
                 _expect(not leaked and outside <= used, f"pool {name}: leaked slots {leaked} or unallocated outside")

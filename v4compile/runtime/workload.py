@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from ..model.cache import PAGE_TOKENS
 from .engine import Engine
 
 
@@ -119,6 +120,5 @@ def _bytes_per_token(engine: Engine) -> tuple[dict[str, float], float]:
     per_pool = {name: pool["used_bytes"] / tokens for name, pool in stats["pools"].items()}
     per_pool["all"] = sum(per_pool.values())
     pools = engine.store.pools
-    compressed = pools["c4"].bytes_per_slot / 4 + pools["c4_index"].bytes_per_slot / 4 + \
-        pools["c128"].bytes_per_slot / 128
+    compressed = pools["pages"].bytes_per_slot / PAGE_TOKENS + (pools["c4"].bytes_per_slot / 4 if "c4" in pools else 0)
     return per_pool, pools["window"].bytes_per_slot + compressed
