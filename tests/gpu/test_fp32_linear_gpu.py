@@ -47,3 +47,17 @@ def test_replays_in_a_cuda_graph() -> None:
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(out, ops.fp32_linear(x, weight, None, False, "triton"))
+
+
+def test_one_fp32_row_runs_cublas_gemv_and_a_bf16_one_the_kernel() -> None:
+    """A graph with dynamic rows meets one-row products the pass declines in static graphs: with fp32 operands the
+    op returns cuBLAS's GEMV result (bit for bit, no kernel launch); a bf16 weight still runs the kernel."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    weight = torch.randn(1000, 4096, generator=gen, device="cuda")
+    x = torch.randn(1, 4096, generator=gen, device="cuda")
+    fp32_linear(x, weight.bfloat16())
+    launches = REGISTRY.records[kernel_name()].launches
+    assert torch.equal(fp32_linear(x, weight), F.linear(x, weight))
+    assert REGISTRY.records[kernel_name()].launches == launches
+    fp32_linear(x, weight.bfloat16())
+    assert REGISTRY.records[kernel_name()].launches == launches + 1
