@@ -206,3 +206,12 @@ def test_cuda_graph_decode_equals_launched_decode(model: DeepSeekV4, hisparse: b
 def test_cuda_graphs_need_a_cuda_model(model: DeepSeekV4) -> None:
     with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device; it is on cpu"):
         Engine(model, cuda_graphs=True)
+
+
+def test_prefix_tails_caps_the_window_tails_and_frees_their_bytes_for_pages(model: DeepSeekV4) -> None:
+    roomy, capped = Engine(model, max_batch=3), Engine(model, max_batch=3, prefix_tails=2)
+    assert roomy.store is not None and capped.store is not None
+    assert roomy.store.pools["state"].capacity > 2 == capped.store.pools["state"].capacity
+    assert capped.caches.pages.capacity > roomy.caches.pages.capacity
+    with pytest.raises(ValueError, match="at least one window tail"):
+        Engine(model, prefix_tails=0)

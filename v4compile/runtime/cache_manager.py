@@ -51,12 +51,12 @@ def pages_for(tokens: int) -> int:
 
 
 def plan_memory(config: V4Config, max_seq_len: int, memory_budget: int | None, max_batch: int, max_prefills: int,
-                hisparse_budget: int | None, prefix_cache: bool = True) -> MemoryPlan:
+                hisparse_budget: int | None, prefix_cache: bool = True, tails: int | None = None) -> MemoryPlan:
     """The rows, tails and pages ``memory_budget`` pays for (default: four times ``max_batch + max_prefills``
     full-length sequences). ``hisparse_budget`` of it goes to HiSparse's hot buffer; the rows (up to ``max_batch``
     and ``max_prefills``) take what leaves the pages of one ``max_seq_len`` sequence (and one window tail with a
-    prefix cache); a ``TAIL_SHARE`` of what the rows leave goes to window tails, and the rest to pages. ValueError
-    when not one row of each fits beside those."""
+    prefix cache); a ``TAIL_SHARE`` of what the rows leave goes to window tails (at most ``tails``), and the rest to
+    pages. ValueError when not one row of each fits beside those."""
     c4_main = not hisparse_budget
     staging = row_bytes(config, max_seq_len, c4_main)
     page = page_bytes(config, c4_main)
@@ -67,7 +67,10 @@ def plan_memory(config: V4Config, max_seq_len: int, memory_budget: int | None, m
     reserve = pages_for(max_seq_len) * page + (tail_bytes(config) if prefix_cache else 0)
     prefills, rows = plan_rows(budget - hot_bytes - reserve, staging, decode_row, max_prefills, max_batch)
     rest = budget - hot_bytes - prefills * staging - rows * decode_row
-    tails = max(1, int(rest * TAIL_SHARE) // tail_bytes(config)) if prefix_cache else 0
+    if tails is not None and tails < 1:
+        raise ValueError(f"the prefix cache needs at least one window tail, got prefix_tails={tails}")
+    share = max(1, int(rest * TAIL_SHARE) // tail_bytes(config))
+    tails = (min(tails, share) if tails is not None else share) if prefix_cache else 0
     pages = (rest - tails * tail_bytes(config)) // page + 1
     if pages < 2:
         raise ValueError(f"memory_budget leaves {rest} B after the rows: not one {page} B page of entries and "

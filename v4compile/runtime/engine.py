@@ -45,7 +45,8 @@ class Engine:
     step (rounded down to a divisor of the cache ``chunk``); ``decode_buckets`` are the static decode batch
     sizes (default: powers of two up to ``max_batch``). ``tail_every`` > 0 also caches a window tail every that
     many chunks while a prompt is prefilled (fewer tokens recomputed after a branch, more bytes); 0 keeps one at
-    the prompt's end only.
+    the prompt's end only. ``prefix_tails`` caps the window tails the prefix cache keeps (default: what a quarter
+    of the budget the rows leave pays for): fewer tails, fewer bytes per cached token, more recomputation.
     ``deterministic``: one decode bucket (every step the same shapes), torch's deterministic algorithms and
     batch-invariant matrix products for the process (``v4compile.batch_invariant``), so a sequence's
     log-probs depend neither on what else runs nor on how its tokens were split into chunks and steps.
@@ -66,7 +67,8 @@ class Engine:
     def __init__(self, model: ServedModel, *, memory_budget: int | None = None, max_batch_tokens: int = 128,
                  max_batch: int = 4, max_prefills: int = 1, chunk: int | None = None, prefix_cache: bool = True,
                  decode_buckets: tuple[int, ...] | None = None, max_seq_len: int | None = None,
-                 tail_every: int = 0, deterministic: bool = False, hisparse_budget: int | None = None,
+                 tail_every: int = 0, prefix_tails: int | None = None, deterministic: bool = False,
+                 hisparse_budget: int | None = None,
                  cuda_graphs: bool | None = None, tokenizer: Tokenizer | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -76,7 +78,7 @@ class Engine:
         if max_batch_tokens < 1 or max_batch < 1 or max_prefills < 1:
             raise ValueError("max_batch_tokens, max_batch and max_prefills must be positive")
         plan = plan_memory(self.config, self.max_seq_len, memory_budget, max_batch, max_prefills, hisparse_budget,
-                           prefix_cache)
+                           prefix_cache, prefix_tails)
         if deterministic:
             torch.use_deterministic_algorithms(True)
             batch_invariant.enable()

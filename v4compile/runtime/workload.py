@@ -34,6 +34,7 @@ class ServeReport:
     """Per-run totals of the workload under the engine and the baseline."""
 
     requests: int = 0
+    hits: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     recomputed_tokens: int = 0
@@ -46,6 +47,11 @@ class ServeReport:
     def hit_rate(self) -> float:
         """Prompt tokens restored from the cache over all prompt tokens."""
         return self.cached_tokens / max(self.prompt_tokens, 1)
+
+    @property
+    def recompute_per_hit(self) -> float:
+        """Tokens recomputed per request that matched a cached prefix (its window tail evicted or never kept)."""
+        return self.recomputed_tokens / max(self.hits, 1)
 
     @property
     def baseline_hit_rate(self) -> float:
@@ -77,6 +83,7 @@ def run_workload(engine: Engine, workload: Workload) -> ServeReport:
         results = engine.generate(prompts, workload.answer_len)
         for prompt, result in zip(prompts, results, strict=True):
             report.requests += 1
+            report.hits += result.cache.cached_tokens + result.cache.recomputed_tokens > 0
             report.prompt_tokens += len(prompt)
             report.cached_tokens += result.cache.cached_tokens
             report.recomputed_tokens += result.cache.recomputed_tokens
