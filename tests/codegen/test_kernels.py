@@ -394,3 +394,16 @@ def test_indexer_scores_fp64_gradcheck() -> None:
     opts = {"dtype": torch.float64, "requires_grad": True}
     q, keys, w = torch.randn(1, 2, 3, 16, **opts), torch.randn(1, 5, 16, **opts), torch.randn(1, 2, 3, **opts)
     assert torch.autograd.gradcheck(lambda a, b, c: ops.indexer_scores(a, b, c, "reference"), (q, keys, w))
+
+
+def test_paged_indexer_scores_read_the_keys_in_place() -> None:
+    """Keys on shared pages through a scattered page table score as the same keys gathered first, bit for bit."""
+    torch.manual_seed(5)
+    pool = torch.randn(9, 4, 32).bfloat16()
+    table = torch.tensor([[3, 7, 1], [8, 2, 5]])
+    q, w = torch.randn(2, 3, 10, 32).bfloat16(), torch.randn(2, 3, 10).bfloat16()
+    got = ops.indexer_scores_paged(q, pool, table, w, "triton")
+    assert got.shape == (2, 3, 12)
+    assert torch.equal(got, ops.indexer_scores(q, pool[table].flatten(1, 2), w, "triton"))
+    assert torch.equal(got, reference.indexer_scores_paged(q, pool, table, w))
+    assert REGISTRY.records["indexer_scores_paged.d32.bf16.triton"].launches >= 1

@@ -9,6 +9,8 @@ import torch
 import v4compile
 from v4compile.debugging import explain, run_entries, sample_ids
 from v4compile.model import attention as attention_module
+from v4compile.model.cache import PAGE_TOKENS, V4Cache
+from v4compile.model.pages import EntryPages
 
 
 def _stats(optimized: v4compile.OptimizedModel, name: str):
@@ -100,3 +102,35 @@ def test_the_concatenated_sink_softmax_is_matched_too(monkeypatch: pytest.Monkey
     optimized = explain(tiny_model, backend="reference", entries=("forward",), passes=["sparse_attention"])
     [stats] = _stats(optimized, "sparse_attention")
     assert sorted(m.details["form"] for m in stats.matches).count("attention") == 4, stats.near_misses
+
+
+def test_indexer_keys_on_pages_are_scored_in_place(tiny_model: v4compile.DeepSeekV4) -> None:
+    """A decode over a cache on shared pages (the engine's layout, pages scattered): the indexer scoring becomes the
+    paged kernel, and the logits are bit for bit those of the same kernels over a cache owning its rows."""
+    config = tiny_model.config
+    ids = sample_ids(tiny_model)
+    batch, per_row = ids.shape[0], -(-config.max_seq_len // PAGE_TOKENS)
+
+    def cache(paged: bool) -> V4Cache:
+        if paged:
+            filled = V4Cache(config, batch, config.max_seq_len, "cpu", EntryPages(config, batch * per_row + 1, "cpu"))
+            assert filled.table is not None
+            order = torch.randperm(batch * per_row, generator=torch.Generator().manual_seed(0))
+            filled.table.copy_(order.view(batch, -1) + 1)
+        else:
+            filled = tiny_model.new_cache(batch)
+        with torch.no_grad():
+            tiny_model(ids[:, :-1], cache=filled)
+        return filled
+
+    positions = torch.full((batch,), ids.shape[1] - 1)
+    optimized = v4compile.optimize(tiny_model, backend="triton", passes=["sparse_attention"], inductor=False,
+                                   regions=False)
+    with torch.no_grad():
+        got = optimized.decode_step(ids[:, -1:], positions, cache(True))
+        [stats] = _stats(optimized, "sparse_attention")
+        scoring = [m for m in stats.matches if m.details["form"] == "indexer scores"]
+        assert len(scoring) == 2 and all(m.details["paged"] and m.kernel.startswith("indexer_scores_paged.")
+                                         for m in scoring)
+        want = optimized.decode_step(ids[:, -1:], positions, cache(False))
+    assert torch.equal(got, want)

@@ -10,8 +10,8 @@ import torch
 
 from v4compile import DeepSeekV4, V4Config
 from v4compile.model.cache import V4Cache
-from v4compile.model.pages import EntryPages
-from v4compile.runtime.cache_manager import row_bytes
+from v4compile.model.pages import EntryPages, page_bytes
+from v4compile.runtime.cache_manager import plan_memory, row_bytes
 from v4compile.runtime.engine import Engine
 from v4compile.runtime.hisparse import min_hot_entries, slot_bytes
 from v4compile.runtime.pools import PagePool
@@ -50,10 +50,10 @@ def test_greedy_with_prefix_cache_and_evictions_equals_without(model: DeepSeekV4
     assert _conversation(roomy, turns=2) == plain
     assert roomy.stats()["tree"]["cached_tokens"] >= 384
     row, tail = row_bytes(model.config, 1024), tail_bytes(model.config)
-    # the rows, then 9 tails' bytes: a quarter to two tails, the rest to 8 pages (1024 tokens, under three prompts)
-    tight = Engine(model, max_batch=3, decode_buckets=(3,), memory_budget=4 * row + 9 * tail)
-    assert tight.store is not None and tight.store.pools["state"].capacity == 2  # two tails: evictions
-    assert tight.store.pools["pages"].capacity == 8  # too few for three prompts at once: admission waits
+    # the rows, then 11 tails' bytes: one tail, the rest 11 pages (1408 tokens, under three prompts' 12 pages)
+    tight = Engine(model, max_batch=3, decode_buckets=(3,), memory_budget=4 * row + 11 * tail)
+    assert tight.store is not None and tight.store.pools["state"].capacity == 1  # one tail: evictions
+    assert tight.store.pools["pages"].capacity == 11  # too few for three prompts at once: admission waits
     assert _conversation(tight, turns=2) == plain
     tight.store.tree.check()
     stats = tight.stats()["tree"]
@@ -215,3 +215,43 @@ def test_prefix_tails_caps_the_window_tails_and_frees_their_bytes_for_pages(mode
     assert capped.caches.pages.capacity > roomy.caches.pages.capacity
     with pytest.raises(ValueError, match="at least one window tail"):
         Engine(model, prefix_tails=0)
+
+
+def test_short_pages_keep_the_prefixes_running_requests_hold(model: DeepSeekV4) -> None:
+    """A request that does not fit waits without evicting a cached prefix whose pages a running request holds
+    (that would free nothing), and hits it once admitted."""
+    config = model.config
+    budget = 3 * row_bytes(config, 1024) + 8 * page_bytes(config) + tail_bytes(config)
+    engine = Engine(model, max_batch=2, memory_budget=budget)
+    assert engine.caches.pages.capacity == 8
+    system = _ids(256, 0)
+    engine.generate([system + _ids(10, 1)], 1)
+    first = engine.submit(system + _ids(10, 2), 400)
+    engine.step()
+    second = engine.submit(system + _ids(10, 3), 300)
+    engine.step()
+    assert engine.stats()["tree"]["cached_tokens"] == 256 and len(engine.scheduler.waiting) == 1
+    while engine.busy:
+        engine.step()
+    assert first.cache.cached_tokens == second.cache.cached_tokens == 256
+
+
+def test_every_budget_holds_one_full_length_sequence(model: DeepSeekV4) -> None:
+    config = model.config
+    minimal = 2 * row_bytes(config, 1024) + 8 * page_bytes(config) + tail_bytes(config)
+    for extra in range(0, 40 * page_bytes(config), 2048):
+        assert plan_memory(config, 1024, minimal + extra, 4, 1, None).pages - 1 >= 8, extra
+
+
+def test_weights_changed_under_a_prefill_keep_its_kv_out_of_the_cache(model: DeepSeekV4) -> None:
+    engine = Engine(model, max_batch=2)
+    prompt = _ids(400, 4)
+    out = engine.submit(prompt, 2)
+    engine.step()  # one piece computed with the old weights
+    engine.weights_updated()
+    while engine.busy:
+        engine.step()
+    assert out.finish_reason == "length" and engine.stats()["tree"]["cached_tokens"] == 0
+    engine.generate([prompt], 2)
+    engine.weights_updated()  # with prefixes cached: the old tree's page references all go back
+    assert engine.caches.pages.used_count == 0

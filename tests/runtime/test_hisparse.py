@@ -147,3 +147,12 @@ def test_row_copy_kernel_matches_its_reference() -> None:
     copy_rows(want, dst_rows, src, src_rows, kernel=False)
     copy_rows(got, dst_rows, src, src_rows, kernel=True)
     assert torch.equal(got, want) and got[1].abs().sum() == 0 and want[3].equal(src[39])
+
+
+def test_any_max_seq_len_serves_under_hisparse() -> None:
+    """Decode rows and staging rows agree on their page tables whatever max_seq_len is (here 1 past a page)."""
+    model = DeepSeekV4(V4Config.preset("tiny", max_seq_len=1025), seed=3).eval()
+    hot = min_hot_entries(3, model.config.index_topk, 2) * slot_bytes(model.config)
+    engine = Engine(model, max_batch=3, max_seq_len=1025, hisparse_budget=hot)
+    plain = Engine(model, max_batch=3, max_seq_len=1025, prefix_cache=False)
+    assert engine.generate([_ids(200, 7)], 4)[0].tokens == plain.generate([_ids(200, 7)], 4)[0].tokens

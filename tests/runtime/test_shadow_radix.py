@@ -154,6 +154,20 @@ def test_window_eviction_ties_go_shallowest_first() -> None:
     assert tree.evict("window", 1) == WINDOW and short.window_tail is None and deep.window_tail is not None
 
 
+def test_window_eviction_drops_superseded_tails_before_older_ones() -> None:
+    tree = make_tree()
+    other = put(tree, B).node  # the least recently used, but the only tail on its path
+    short = put(tree, A[:8]).node
+    deep = put(tree, A).node  # a conversation continued: the tail at A[:8] now only serves a branch there
+    tree.match([*B, 0])
+    tree.match([*A[:8], 0])  # even when the superseded tail was used last
+    assert tree.evict("window", 1) == WINDOW and short.window_tail is None
+    assert other.window_tail is not None and deep.window_tail is not None
+    # a tail about to go below ``deep`` supersedes it: it goes before the older ``other``
+    assert tree.evict("window", 1, above=[deep]) == WINDOW and deep.window_tail is None
+    assert other.window_tail is not None
+
+
 def test_compressed_eviction_removes_lru_leaves_then_their_parents() -> None:
     tree = make_tree()
     first = put(tree, A[:8]).node

@@ -54,6 +54,7 @@ def _fast_impl(op: str, backend: str) -> Callable[..., Any] | None:
             "compressor_entries": compressor_finish.compressor_entries,
             "compressor_entry_state": compressor_finish.compressor_entry_state,
             "indexer_scores": indexer_scores.indexer_scores,
+            "indexer_scores_paged": indexer_scores.indexer_scores_paged,
             "compressor_pool_state": compressor.compressor_pool_state,
             "radix_topk": radix_topk.radix_topk,
             "sparse_attention": sparse_attention.sparse_attention,
@@ -271,6 +272,22 @@ def _(q, keys, weights, backend):
 
 
 _reference_backward(indexer_scores, "indexer_scores")
+
+
+@torch.library.custom_op("v4compile::indexer_scores_paged", mutates_args=())
+def indexer_scores_paged(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, weights: torch.Tensor,
+                         backend: str) -> torch.Tensor:
+    """``indexer_scores`` against keys on shared pages: pool [pages, E, d], row b's keys ``pool[table[b]]`` (table
+    [B, pages per row]), read in place rather than gathered first."""
+    return _run("indexer_scores_paged", backend, q, pool, table, weights)
+
+
+@indexer_scores_paged.register_fake
+def _(q, pool, table, weights, backend):
+    return q.new_empty(q.shape[0], q.shape[1], table.shape[1] * pool.shape[1], dtype=torch.float32)
+
+
+_reference_backward(indexer_scores_paged, "indexer_scores_paged")
 
 
 # ----------------------------------------------------------------------------- mhc_pre

@@ -16,6 +16,12 @@ from ..model.moe import RoutedExperts
 from ..model.sparse_attention import sparse_attention  # noqa: F401  (the op's reference body)
 
 
+def indexer_scores_paged(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, weights: torch.Tensor
+                         ) -> torch.Tensor:
+    """Lightning-indexer scores against keys kept on pages: row b's keys are ``pool[table[b]]`` in order."""
+    return indexer_scores(q, pool[table].flatten(1, 2), weights)
+
+
 def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
     """fp32 for reduced-precision inputs, fp64 stays fp64 (for gradcheck)."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32

@@ -9,6 +9,9 @@ kernel, which keeps an online softmax (another summation order, hence the pass's
 (model/indexer.py ``index_scores``): ``(relu(einsum(q, keys)) * w).sum(heads)``. The top-k that follows the
 scores stays a separate kernel (``radix_topk``): scoring and selection are not fused on any backend yet.
 
+Keys on the serving engine's shared pages (``pool[table].flatten(1, 2)``, model/cache.py) become the paged scoring
+kernel, which reads each key in place through the page table instead of a gathered copy.
+
 The indexer's dot product also matches as ``matmul(q, keys.transpose(-1, -2).unsqueeze(1))`` with the softmax
 scale applied to the relu'd dots (``relu(q . k) * c * w``, transformers' spelling): the op then takes ``w * c`` as
 its weights, an fp32 rounding apart. transformers' attention is dense (``softmax(q K^T * scale + mask)`` over every
@@ -88,6 +91,22 @@ def _transposed_keys(node: fx.Node) -> fx.Node | None:
     if not is_op(keys, aten.transpose) or sorted(d % 3 for d in keys.args[1:3]) != [1, 2]:
         return None
     return keys.args[0] if len(shape(keys.args[0]) or ()) == 3 else None
+
+
+def _paged_keys(keys: object) -> tuple[fx.Node, fx.Node] | None:
+    """(pool [P, E, d], table [B, pages]) when ``keys`` [B, N, d] is ``pool[table].flatten(1, 2)`` (keys on the
+    serving engine's shared pages, gathered through the rows' page table), else None."""
+    if not is_op(keys, aten.view, aten.reshape, aten._unsafe_view, aten.flatten):
+        return None
+    gathered = keys.args[0]
+    if not is_op(gathered, aten.index) or len(gathered.args[1]) != 1 or gathered.args[1][0] is None:
+        return None
+    pool, table = gathered.args[0], gathered.args[1][0]
+    dims, rows = shape(pool), shape(table)
+    if dims is None or rows is None or len(dims) != 3 or len(rows) != 2 or shape(keys) != (rows[0], rows[1] * dims[1],
+                                                                                              dims[2]):
+        return None
+    return pool, table
 
 
 def _dense_probs(node: fx.Node) -> fx.Node | None:
@@ -277,13 +296,18 @@ class SparseAttention(GraphPass):
         if scale is not None:
             with node.graph.inserting_before(sink):
                 weights = node.graph.call_function(aten.mul.Tensor, (weights, scale))
-        impl = ops.implementation_backend("indexer_scores", ctx.backend, q.meta.get("val"))
+        keys = _strip_casts(keys)
+        paged = _paged_keys(keys)
+        op = "indexer_scores_paged" if paged else "indexer_scores"
+        impl = ops.implementation_backend(op, ctx.backend, q.meta.get("val"))
         dtype = q.meta["val"].dtype if q.meta.get("val") is not None else torch.float32
-        name = (indexer_kernel_name(dims[-1], dtype, impl) if impl in ("triton", "tilelang")
-                else f"indexer_scores.d{dims[-1]}.{impl}")
-        return Rewrite(sink, ops.indexer_scores, (q, _strip_casts(keys), weights, ctx.backend), name,
-                       {"form": "indexer scores", "heads": dims[2], "dim": dims[-1], "keys": (shape(node) or (0,))[-1],
-                        "fused_with_topk": False})
+        name = (indexer_kernel_name(dims[-1], dtype, impl, paged is not None) if impl in ("triton", "tilelang")
+                else f"{op}.d{dims[-1]}.{impl}")
+        details = {"form": "indexer scores", "heads": dims[2], "dim": dims[-1], "keys": (shape(node) or (0,))[-1],
+                   "fused_with_topk": False, "paged": paged is not None}
+        if paged:
+            return Rewrite(sink, ops.indexer_scores_paged, (q, *paged, weights, ctx.backend), name, details)
+        return Rewrite(sink, ops.indexer_scores, (q, keys, weights, ctx.backend), name, details)
 
 
 __all__ = ["SparseAttention"]

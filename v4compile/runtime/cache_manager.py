@@ -55,8 +55,9 @@ def plan_memory(config: V4Config, max_seq_len: int, memory_budget: int | None, m
     """The rows, tails and pages ``memory_budget`` pays for (default: four times ``max_batch + max_prefills``
     full-length sequences). ``hisparse_budget`` of it goes to HiSparse's hot buffer; the rows (up to ``max_batch``
     and ``max_prefills``) take what leaves the pages of one ``max_seq_len`` sequence (and one window tail with a
-    prefix cache); a ``TAIL_SHARE`` of what the rows leave goes to window tails (at most ``tails``), and the rest to
-    pages. ValueError when not one row of each fits beside those."""
+    prefix cache); a ``TAIL_SHARE`` of what the rows leave beyond that sequence's pages goes to window tails (at
+    most ``tails``), and the rest to pages, so one full-length sequence always fits. ValueError when not one row of
+    each fits beside those."""
     c4_main = not hisparse_budget
     staging = row_bytes(config, max_seq_len, c4_main)
     page = page_bytes(config, c4_main)
@@ -64,13 +65,16 @@ def plan_memory(config: V4Config, max_seq_len: int, memory_budget: int | None, m
     budget = memory_budget if memory_budget is not None else (max_batch + max_prefills) * full * 4
     hot_bytes = hisparse_budget or 0
     decode_row = device_row_bytes(config, max_seq_len) if hisparse_budget else staging
-    reserve = pages_for(max_seq_len) * page + (tail_bytes(config) if prefix_cache else 0)
+    one_sequence = pages_for(max_seq_len) * page
+    reserve = one_sequence + (tail_bytes(config) if prefix_cache else 0)
     prefills, rows = plan_rows(budget - hot_bytes - reserve, staging, decode_row, max_prefills, max_batch)
     rest = budget - hot_bytes - prefills * staging - rows * decode_row
     if tails is not None and tails < 1:
         raise ValueError(f"the prefix cache needs at least one window tail, got prefix_tails={tails}")
-    share = max(1, int(rest * TAIL_SHARE) // tail_bytes(config))
+    share = max(1, int((rest - one_sequence) * TAIL_SHARE) // tail_bytes(config))
     tails = (min(tails, share) if tails is not None else share) if prefix_cache else 0
+    if not page:  # no compressing layer: pages hold nothing and cost nothing
+        return MemoryPlan(prefills, rows, hot_bytes, tails, (rows + prefills) * pages_for(max_seq_len) + 1)
     pages = (rest - tails * tail_bytes(config)) // page + 1
     if pages < 2:
         raise ValueError(f"memory_budget leaves {rest} B after the rows: not one {page} B page of entries and "
@@ -120,7 +124,7 @@ class CacheManager:
         """Forgets every cached prefix (after a weight update: the old weights computed their KV); pages that
         running requests hold stay theirs."""
         if self.store is not None:
-            self.store.tree.evict(self.pages.name, self.pages.capacity)
+            self.pages.free(sorted(self.store.tree.held(self.pages.name)))
             self.store = self._new_store()
 
     def check_fits(self, tokens: int) -> None:
@@ -155,12 +159,13 @@ class CacheManager:
         self._assign(staging, 0, hit.pages)
         return hit
 
-    def save_prefix(self, prompt: list[int], stop: int, slot: int, pages: list[int]) -> None:
+    def save_prefix(self, prompt: list[int], stop: int, slot: int, pages: list[int], fork: int = 0) -> None:
         """Caches ``prompt[:stop]``, whose state staging row ``slot`` (on ``pages``) holds after a prefill piece,
-        when ``stop`` is the prompt's deepest chunk boundary or a ``tail_every`` checkpoint."""
+        when ``stop`` is the prompt's deepest chunk boundary, a ``tail_every`` checkpoint or ``fork``: where the
+        prompt left a cached path without a tail there (the next prompt taking that path resumes there too)."""
         boundary = len(prompt) // self.chunk * self.chunk
         checkpoint = self.tail_every and stop % self.chunk == 0 and (stop // self.chunk) % self.tail_every == 0
-        if self.store is not None and 0 < stop <= boundary and (stop == boundary or checkpoint):
+        if self.store is not None and 0 < stop <= boundary and (stop in (boundary, fork) or checkpoint):
             self.store.save(prompt[:stop], self.staging[slot], pages)
 
     def to_decode(self, row: int, slot: int) -> None:

@@ -198,9 +198,12 @@ class Engine:
     def weights_updated(self) -> None:
         """Call after changing the model's weights (an RL step): drops every cached prefix, whose KV the old
         weights computed, and any decode CUDA graphs (captured with the old weights' addresses). The engine
-        runs the model object it was given, so new weights serve at once."""
+        runs the model object it was given, so new weights serve at once. Prompts being prefilled go on with the KV
+        they have, but cache none of it."""
         self.caches.drop_prefixes()
         self.runner.reset_graphs()
+        for seq in self.scheduler.prefilling:
+            seq.cacheable = False
 
     def stats(self) -> dict[str, object]:
         """Prefix-cache pools and tree statistics (none without a prefix cache) and, with HiSparse, its
@@ -253,7 +256,7 @@ class Engine:
                                         tokens=len(seq.prompt) + seq.max_new)
         if hit is None:
             return False
-        seq.pages = hit.pages
+        seq.pages, seq.fork = hit.pages, hit.resume_len + hit.recompute_tokens
         seq.out.cache.prompt_tokens = len(seq.prompt)
         seq.done = seq.out.cache.cached_tokens = hit.resume_len
         seq.out.cache.recomputed_tokens = hit.recompute_tokens
@@ -272,7 +275,8 @@ class Engine:
             self.speculator.keep_streams(seq, hidden)
         seq.done = stop
         seq.out.cache.prefill_tokens += stop - start
-        self.caches.save_prefix(seq.prompt, stop, seq.slot, seq.pages)
+        if seq.cacheable:
+            self.caches.save_prefix(seq.prompt, stop, seq.slot, seq.pages, seq.fork)
         if stop < len(seq.prompt):
             return
         seq.emit(self.runner.logits(hidden[:, -1:])[0, 0])

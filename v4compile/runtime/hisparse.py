@@ -135,6 +135,7 @@ class HiSparse:
         if not self.layers:
             raise ValueError("HiSparse needs a model with C4 layers (compress ratio 4)")
         self.rows, self.entries, self.width = rows, max_seq_len // 4, config.head_dim
+        self.max_seq_len = max_seq_len
         self.topk = min(config.index_topk, self.entries)
         self.check_capacity(hot_entries, rows, tokens_per_step)
         self.hot_entries = hot_entries
@@ -361,7 +362,7 @@ class HiSparseCache(V4Cache):
     def __init__(self, config: V4Config, hisparse: HiSparse, device: torch.device | str | None = None,
                  pages: EntryPages | None = None) -> None:
         self.hisparse = hisparse
-        super().__init__(config, hisparse.rows, hisparse.entries * 4, device, pages)
+        super().__init__(config, hisparse.rows, hisparse.max_seq_len, device, pages)
 
     def new_layer(self, config: V4Config, index: int, device: torch.device | None) -> LayerCache:
         """C4 layers get a ``HotLayerCache``; the others are as in ``V4Cache``."""

@@ -17,7 +17,7 @@ from ..model.cache import PAGE_TOKENS, V4Cache
 from ..model.config import V4Config
 from .pools import PagePool, PoolExhausted, PoolSet
 from .prefix_pools import PrefixPools
-from .shadow_radix import ShadowRadix
+from .shadow_radix import RadixNode, ShadowRadix
 
 
 @dataclass
@@ -79,7 +79,8 @@ class PrefixStore:
         try:
             host = {"c4": (end - known) // 4} if self.tensors.host_c4 else {}
             needs_tail = known < end or match.compressed_node.window_tail is None
-            fresh = self._alloc({**host, **({"window": self.tensors.window, "state": 1} if needs_tail else {})})
+            fresh = self._alloc({**host, **({"window": self.tensors.window, "state": 1} if needs_tail else {})},
+                                match.path)
             if fresh is None:
                 return False
             if host:
@@ -107,14 +108,14 @@ class PrefixStore:
                 return None
         return self.pages.alloc(n)
 
-    def _alloc(self, wanted: dict[str, int]) -> dict[str, list[int]] | None:
-        """Takes ``wanted`` slots per pool, evicting from the tree where a pool is short; None (taking nothing)
-        when a pool cannot free enough."""
+    def _alloc(self, wanted: dict[str, int], above: list[RadixNode]) -> dict[str, list[int]] | None:
+        """Takes ``wanted`` slots per pool, evicting from the tree where a pool is short (tails on ``above``, the
+        path the new tail goes below, first); None (taking nothing) when a pool cannot free enough."""
         taken: dict[str, list[int]] = {}
         for name, n in wanted.items():
             pool = self.pools[name]
             if pool.free_count < n:
-                self.tree.evict(name, n - pool.free_count)
+                self.tree.evict(name, n - pool.free_count, above)
             try:
                 taken[name] = pool.alloc(n)
             except PoolExhausted:

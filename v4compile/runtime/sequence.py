@@ -29,7 +29,9 @@ class Sequence:
     """A request's serving state: ``done`` prompt tokens computed (in staging row ``slot`` while prefilling),
     then decode row ``row``, the current ``token`` (the last one emitted) and, with MTP, its ``draft``;
     ``hidden`` keeps the last window of a prefill's streams for the MTP block's first draft; ``pages`` are the
-    entry pages its row's table maps, in token order (one reference each, given back when it retires)."""
+    entry pages its row's table maps, in token order (one reference each, given back when it retires); ``fork`` the
+    boundary where its prompt leaves the cached path it matched (a tail saved there serves the next one);
+    ``cacheable`` False once the weights changed under its prefill (its KV must not enter the new prefix cache)."""
 
     index: int
     prompt: list[int]
@@ -50,6 +52,8 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()
     cancelled: bool = False
     pages: list[int] = field(default_factory=list)
+    fork: int = 0
+    cacheable: bool = True
 
     @property
     def position(self) -> int:

@@ -213,12 +213,14 @@ class ShadowRadix:
         else:
             raise ValueError(f"unknown lock kind {kind!r}; kinds: {', '.join(LOCK_KINDS)}")
 
-    def evict(self, pool: str, n_slots: int) -> int:
+    def evict(self, pool: str, n_slots: int, above: Sequence[RadixNode] = ()) -> int:
         """Frees at least ``n_slots`` slots of ``pool`` if unlocked state allows, least recently used first,
-        and returns how many it freed. "window"/"state": tombstones tails without window locks. Compressed
-        pools: removes unlocked leaves (with all their slots, tail included), then parents that become such."""
+        and returns how many it freed. "window"/"state": tombstones tails without window locks, those a deeper
+        tail supersedes first (``above``: the path a tail is about to be inserted below, whose tails it will
+        supersede). Compressed pools: removes unlocked leaves (with all their slots, tail included), then parents
+        that become such."""
         if pool in (WINDOW_POOL, STATE_POOL):
-            return self._evict_tails(pool, n_slots)
+            return self._evict_tails(pool, n_slots, above)
         if pool in self.ratios:
             return self._evict_leaves(pool, n_slots)
         raise KeyError(f"no pool named {pool!r} in the tree; pools: {', '.join(self._held)}")
@@ -331,13 +333,18 @@ class ShadowRadix:
         parent.children[upper.tokens[: self.chunk]] = upper
         return upper
 
-    def _evict_tails(self, pool: str, n_slots: int) -> int:
-        """Tombstones unpinned tails, least recently used first; ties go shallowest first, since a deeper
-        tail on the same path is the one a continuing conversation resumes from."""
+    def _evict_tails(self, pool: str, n_slots: int, above: Sequence[RadixNode]) -> int:
+        """Tombstones unpinned tails: first those with a live tail deeper on their path (a continuing conversation
+        resumes from the deeper one; the shallower pays only for a branch at exactly its boundary), then the
+        rest; each group least recently used first, ties shallowest first."""
         per_tail = self.window if pool == WINDOW_POOL else 1
         candidates = [node for node in self.nodes() if node.window_tail is not None and node.window_locks == 0]
+        superseded = {id(node) for node in above}
+        for node in self.nodes():
+            if node.window_tail is not None and node.parent is not None:
+                superseded.update(id(upper) for upper in self._ancestry(node.parent))
         freed = 0
-        for node in sorted(candidates, key=lambda node: (node.last_used, node.end)):
+        for node in sorted(candidates, key=lambda node: (id(node) not in superseded, node.last_used, node.end)):
             if freed >= n_slots:
                 break
             self._drop_tail(node)
@@ -345,20 +352,31 @@ class ShadowRadix:
         return freed
 
     def _evict_leaves(self, pool: str, n_slots: int) -> int:
-        """Removes unlocked leaves, least recently used first, walking up as parents become unlocked leaves."""
-        heap = [(node.last_used, node.end, i, node) for i, node in enumerate(self.nodes()) if self._removable(node)]
+        """Removes unlocked leaves, least recently used first, walking up as parents become unlocked leaves; returns
+        the slots that went back to ``pool``. On a ``PagePool`` a leaf whose pages running requests also hold frees
+        nothing and stays (removing it would only lose the cached prefix)."""
+        heap = [(node.last_used, node.end, i, node) for i, node in enumerate(self.nodes())
+                if self._removable(node) and self._releasable(node, pool)]
         heapq.heapify(heap)
         freed, tiebreak = 0, len(heap)
         while heap and freed < n_slots:
             node = heapq.heappop(heap)[-1]
             parent = node.parent
             assert parent is not None
-            freed += len(node.slots[pool])
+            freed += self._releasable(node, pool)
             self._remove(node)
-            if self._removable(parent):
+            if self._removable(parent) and self._releasable(parent, pool):
                 heapq.heappush(heap, (parent.last_used, parent.end, tiebreak, parent))
                 tiebreak += 1
         return freed
+
+    def _releasable(self, node: RadixNode, pool: str) -> int:
+        """The slots of ``pool`` that removing ``node`` returns to it (on a ``PagePool``, the pages only the tree
+        holds)."""
+        owner = self.pools[pool]
+        if isinstance(owner, PagePool):
+            return sum(owner.refs(page) == 1 for page in node.slots[pool])
+        return len(node.slots[pool])
 
     def _removable(self, node: RadixNode) -> bool:
         """A leaf nobody pins (the root never is)."""
