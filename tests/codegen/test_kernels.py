@@ -407,3 +407,24 @@ def test_paged_indexer_scores_read_the_keys_in_place() -> None:
     assert torch.equal(got, ops.indexer_scores(q, pool[table].flatten(1, 2), w, "triton"))
     assert torch.equal(got, reference.indexer_scores_paged(q, pool, table, w))
     assert REGISTRY.records["indexer_scores_paged.d32.bf16.triton"].launches >= 1
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_paged_sparse_attention_reads_window_and_pages_in_place(splits: int) -> None:
+    """Window keys plus entries on scattered pages attend as their concatenated copy does, bit for bit (ids below
+    the window's length name window keys; -1 and ids past the entries are masked)."""
+    torch.manual_seed(6)
+    window, pool = torch.randn(2, 5, 32).bfloat16(), torch.randn(9, 4, 32).bfloat16()
+    table = torch.tensor([[3, 7, 1], [8, 2, 5]])
+    q, sink = torch.randn(2, 2, 4, 32).bfloat16(), torch.randn(4)
+    index = torch.randint(-1, 17, (2, 2, 12))
+    config = {"BLOCK_H": 16, "BLOCK_K": 16, "SPLITS": splits, "num_warps": 4}
+    from v4compile.codegen.triton.sparse_attention import sparse_attention, sparse_attention_paged
+
+    got = sparse_attention_paged(q, window, pool, table, sink, index, 0.125, config)
+    copied = torch.cat((window, pool[table].flatten(1, 2)), dim=1)
+    assert torch.equal(got, sparse_attention(q, copied, sink, index, 0.125, config))
+    torch.testing.assert_close(got.float(), reference.sparse_attention_paged(q, window, pool, table, sink, index,
+                                                                              0.125).float(), rtol=2**-7, atol=1e-5)
+    assert torch.equal(ops.sparse_attention_paged(q, window, pool, table, sink, index, 0.125, "triton"),
+                       sparse_attention_paged(q, window, pool, table, sink, index, 0.125))

@@ -105,8 +105,9 @@ def test_the_concatenated_sink_softmax_is_matched_too(monkeypatch: pytest.Monkey
 
 
 def test_indexer_keys_on_pages_are_scored_in_place(tiny_model: v4compile.DeepSeekV4) -> None:
-    """A decode over a cache on shared pages (the engine's layout, pages scattered): the indexer scoring becomes the
-    paged kernel, and the logits are bit for bit those of the same kernels over a cache owning its rows."""
+    """A decode over a cache on shared pages (the engine's layout, pages scattered): attention and the indexer
+    scoring become the paged kernels, and the logits are bit for bit those of the same kernels over a cache owning
+    its rows."""
     config = tiny_model.config
     ids = sample_ids(tiny_model)
     batch, per_row = ids.shape[0], -(-config.max_seq_len // PAGE_TOKENS)
@@ -132,5 +133,9 @@ def test_indexer_keys_on_pages_are_scored_in_place(tiny_model: v4compile.DeepSee
         scoring = [m for m in stats.matches if m.details["form"] == "indexer scores"]
         assert len(scoring) == 2 and all(m.details["paged"] and m.kernel.startswith("indexer_scores_paged.")
                                          for m in scoring)
+        attending = {m.location.module: m for m in stats.matches if m.details["form"] == "attention"}
+        # the C4 and C128 layers read their entries on pages; the window-only layer has none
+        assert sorted(k for k, m in attending.items() if m.details["paged"]) == ["layers.1", "layers.2", "layers.3"]
+        assert attending["layers.1"].kernel.startswith("sparse_attention_paged.")
         want = optimized.decode_step(ids[:, -1:], positions, cache(False))
     assert torch.equal(got, want)

@@ -58,6 +58,7 @@ def _fast_impl(op: str, backend: str) -> Callable[..., Any] | None:
             "compressor_pool_state": compressor.compressor_pool_state,
             "radix_topk": radix_topk.radix_topk,
             "sparse_attention": sparse_attention.sparse_attention,
+            "sparse_attention_paged": sparse_attention.sparse_attention_paged,
             "mhc_pre": mhc.mhc_pre,
             "mhc_post": mhc.mhc_post,
             "moe_experts": moe.moe_experts,
@@ -239,6 +240,22 @@ def _(q, kv, sink, index, scale, backend):
 
 
 _reference_backward(sparse_attention, "sparse_attention")
+
+
+@torch.library.custom_op("v4compile::sparse_attention_paged", mutates_args=())
+def sparse_attention_paged(q: torch.Tensor, window: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
+                           sink: torch.Tensor, index: torch.Tensor, scale: float, backend: str) -> torch.Tensor:
+    """``sparse_attention`` over ``window`` [B,W,d] then entries on shared pages (row b's ``pool[table[b]]``), each
+    read where it lives rather than from a concatenated copy."""
+    return _run("sparse_attention_paged", backend, q, window, pool, table, sink, index, scale)
+
+
+@sparse_attention_paged.register_fake
+def _(q, window, pool, table, sink, index, scale, backend):
+    return torch.empty_like(q)
+
+
+_reference_backward(sparse_attention_paged, "sparse_attention_paged")
 
 
 @torch.library.custom_op("v4compile::sparse_attention_padded", mutates_args=())

@@ -16,6 +16,13 @@ from ..model.moe import RoutedExperts
 from ..model.sparse_attention import sparse_attention  # noqa: F401  (the op's reference body)
 
 
+def sparse_attention_paged(q: torch.Tensor, window: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
+                           sink: torch.Tensor, index: torch.Tensor, scale: float) -> torch.Tensor:
+    """Sparse attention over ``window`` [B, W, d] followed by entries on pages (row b's: ``pool[table[b]]``): ids
+    below W name window keys, the others entry id - W."""
+    return sparse_attention(q, torch.cat((window, pool[table].flatten(1, 2)), dim=1), sink, index, scale)
+
+
 def indexer_scores_paged(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, weights: torch.Tensor
                          ) -> torch.Tensor:
     """Lightning-indexer scores against keys kept on pages: row b's keys are ``pool[table[b]]`` in order."""

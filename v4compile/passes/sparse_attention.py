@@ -10,7 +10,8 @@ kernel, which keeps an online softmax (another summation order, hence the pass's
 scores stays a separate kernel (``radix_topk``): scoring and selection are not fused on any backend yet.
 
 Keys on the serving engine's shared pages (``pool[table].flatten(1, 2)``, model/cache.py) become the paged scoring
-kernel, which reads each key in place through the page table instead of a gathered copy.
+kernel, and attention over ``cat((window, pool[table].flatten(1, 2)))`` the paged attention kernel: each reads
+entries in place through the page table instead of a gathered, concatenated copy.
 
 The indexer's dot product also matches as ``matmul(q, keys.transpose(-1, -2).unsqueeze(1))`` with the softmax
 scale applied to the relu'd dots (``relu(q . k) * c * w``, transformers' spelling): the op then takes ``w * c`` as
@@ -33,15 +34,15 @@ from ..codegen.triton.sparse_attention import kernel_name as attention_kernel_na
 from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, shape
 
 
-def _attention_kernel(dim: int, impl: str, q: fx.Node, kv: fx.Node) -> str:
+def _attention_kernel(dim: int, impl: str, q: fx.Node, kv: fx.Node, paged: bool = False) -> str:
     # the name the kernel registers under (the registry's, the CLI's and the reports' one name)
     if impl == "triton":
         vals = (q.meta.get("val"), kv.meta.get("val"))
         low = all(v is not None and v.dtype == torch.bfloat16 for v in vals)
-        return attention_kernel_name(dim, low)
+        return attention_kernel_name(dim, low, paged=paged)
     if impl == "tilelang":
         return tilelang_attention_kernel_name(dim)
-    return f"sparse_attention.d{dim}.{impl}"
+    return f"sparse_attention{'_paged' if paged else ''}.d{dim}.{impl}"
 
 aten = torch.ops.aten
 ATTENTION_SCORES = "bshd,bskd->bshk"
@@ -107,6 +108,18 @@ def _paged_keys(keys: object) -> tuple[fx.Node, fx.Node] | None:
                                                                                               dims[2]):
         return None
     return pool, table
+
+
+def _paged_window(kv: object) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(window [B, W, d], pool, table) when ``kv`` is ``cat((window, pool[table].flatten(1, 2)), 1)``: window keys
+    followed by entries on the serving engine's shared pages; else None."""
+    if not is_op(kv, aten.cat) or len(kv.args[0]) != 2 or (kv.args[1] if len(kv.args) > 1 else 0) % 3 != 1:
+        return None
+    window, entries = kv.args[0]
+    paged = _paged_keys(entries)
+    if paged is None or len(shape(window) or ()) != 3:
+        return None
+    return window, *paged
 
 
 def _dense_probs(node: fx.Node) -> fx.Node | None:
@@ -176,10 +189,17 @@ class SparseAttention(GraphPass):
         if dims is None or len(dims) != 4 or shape(index) is None or shape(index)[-1] != k:
             raise NoMatch("q is not [B,S,H,d] or the index width differs from the kept probabilities")
         _kernel_dim_ok(dims[-1], "attention")
+        paged = _paged_window(kv)
+        details = {"form": "attention", "heads": dims[2], "dim": dims[-1], "entries": k, "queries": dims[1],
+                   "paged": paged is not None}
+        if paged:
+            impl = ops.implementation_backend("sparse_attention_paged", ctx.backend, q.meta.get("val"))
+            return Rewrite(_single_value(out), ops.sparse_attention_paged,
+                           (q, *paged, sink, index, scale, ctx.backend),
+                           _attention_kernel(dims[-1], impl, q, paged[0], paged=True), details)
         impl = ops.implementation_backend("sparse_attention", ctx.backend, q.meta.get("val"))
         return Rewrite(_single_value(out), ops.sparse_attention, (q, kv, sink, index, scale, ctx.backend),
-                       _attention_kernel(dims[-1], impl, q, kv),
-                       {"form": "attention", "heads": dims[2], "dim": dims[-1], "entries": k, "queries": dims[1]})
+                       _attention_kernel(dims[-1], impl, q, kv), details)
 
     def _official_softmax(self, node: fx.Node, weights: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
         """``einsum(exp(s - max), keys) / (sum(exp(s - max)) + exp(sink - max))`` -> (s, sink, the division)."""

@@ -113,7 +113,6 @@ class CacheManager:
         else:
             self.decode = V4Cache(config, rows, max_seq_len, device, self.entry_pages)
         self.staging = [V4Cache(config, 1, max_seq_len, device, self.entry_pages) for _ in range(plan.prefill_rows)]
-        self.prefix_cache = prefix_cache
         self.store = self._new_store() if prefix_cache else None
 
     def _new_store(self) -> PrefixStore:

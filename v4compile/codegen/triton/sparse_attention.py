@@ -6,7 +6,9 @@ bf16 inputs use tensor-core dots with fp32 accumulation; the probabilities enter
 the sum of two bf16 terms, which keeps the model's fp32 numerics (the official kernels round them to one
 bf16 term: ``rounded_p=True``, kept for the benchmark's comparison); other dtypes use exact fp32 dots. When batch x
 head blocks cannot fill the GPU (small decode batches), the entries are split over several programs whose
-partial softmax states a second kernel combines (split-K, "flash decoding").
+partial softmax states a second kernel combines (split-K, "flash decoding"). The paged variant reads the
+window keys and the entries on the serving engine's shared pages where they live: an id below the window's
+length names a window key, the others an entry found through the row's page table.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ LOW = tl.constexpr({low})
 ROUNDED_P = tl.constexpr({rounded_p})
 DOT = tl.{dot}
 PRECISION = tl.constexpr("{precision}")
+PAGED = tl.constexpr({paged})
 ''' + ROUND_BF16 + '''
 
 
 @triton.jit
-def sparse_attention(Q, KV, SINK, INDEX, OUT, PART, seqlen, heads, n_entries, k_total, per_split, scale,
-                     s_qb, s_qs, s_qh, s_kvb, s_kvn, s_ib, s_is, s_ob, s_os, s_oh,
-                     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr):
+def sparse_attention(Q, KV, WIN, TABLE, SINK, INDEX, OUT, PART, seqlen, heads, n_entries, n_window, per_page,
+                     k_total, per_split, scale, s_qb, s_qs, s_qh, s_kvb, s_kvn, s_wb, s_wn, s_tb, s_ib, s_is,
+                     s_ob, s_os, s_oh, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(2)
     b = row // seqlen
@@ -52,7 +55,16 @@ def sparse_attention(Q, KV, SINK, INDEX, OUT, PART, seqlen, heads, n_entries, k_
         kk = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(INDEX + b * s_ib + s * s_is + kk, mask=kk < k_end, other=-1)
         valid = (idx >= 0) & (idx < n_entries)
-        kv = tl.load(KV + b * s_kvb + idx[:, None] * s_kvn + d[None, :], mask=valid[:, None], other=0.0)
+        if PAGED:
+            # id < n_window: window key WIN[b, id]; else entry id - n_window, on page TABLE[b, entry // per_page]
+            entry = tl.maximum(idx - n_window, 0)
+            paged = valid & (idx >= n_window)
+            page = tl.load(TABLE + b * s_tb + entry // per_page, mask=paged, other=0).to(tl.int64)
+            where = tl.where(paged[:, None], KV + (page * per_page + entry % per_page)[:, None] * s_kvn,
+                             WIN + b * s_wb + idx[:, None] * s_wn)
+        else:
+            where = KV + b * s_kvb + idx[:, None] * s_kvn
+        kv = tl.load(where + d[None, :], mask=valid[:, None], other=0.0)
         kv = kv.to(DOT)
         scores = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -119,9 +131,11 @@ def sparse_attention_combine(SINK, OUT, PART, seqlen, heads, s_ob, s_os, s_oh,
 '''
 
 
-def kernel_name(dim: int, low: bool, rounded_p: bool = False) -> str:
-    """Stable kernel name, e.g. ``sparse_attention.d512.bf16dot.triton`` (``.roundedp`` for one-term P)."""
-    return f"sparse_attention.d{dim}.{'bf16dot' if low else 'fp32dot'}{'.roundedp' if rounded_p else ''}.triton"
+def kernel_name(dim: int, low: bool, rounded_p: bool = False, paged: bool = False) -> str:
+    """Stable kernel name, e.g. ``sparse_attention.d512.bf16dot.triton`` (``.roundedp`` for one-term P;
+    ``sparse_attention_paged.d512.bf16dot.triton`` for window keys plus entries on pages)."""
+    op = "sparse_attention_paged" if paged else "sparse_attention"
+    return f"{op}.d{dim}.{'bf16dot' if low else 'fp32dot'}{'.roundedp' if rounded_p else ''}.triton"
 
 
 def launch_config(rows: int, heads: int, k_total: int, cuda: bool) -> dict[str, int]:
@@ -143,19 +157,42 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, inde
     """Triton body of ``v4compile::sparse_attention``: q [B,S,H,d], kv [B,N,d], sink [H], index [B,S,K].
     ``config`` overrides the launch configuration (benchmark sweeps); ``rounded_p`` rounds the probabilities
     to one bf16 term as the official kernels do (benchmark comparison; the op keeps the model's numerics)."""
+    return _attend(q, kv, None, None, sink, index, scale, config, rounded_p)
+
+
+def sparse_attention_paged(q: torch.Tensor, window: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
+                           sink: torch.Tensor, index: torch.Tensor, scale: float,
+                           config: dict[str, int] | None = None) -> torch.Tensor:
+    """Triton body of ``v4compile::sparse_attention_paged``: window [B,W,d], entries on pages pool [P,E,d] with
+    table [B,pages] (row b's entries ``pool[table[b]]``), ids below W naming window keys."""
+    return _attend(q, pool, window, table, sink, index, scale, config, False)
+
+
+def _attend(q: torch.Tensor, kv: torch.Tensor, window: torch.Tensor | None, table: torch.Tensor | None,
+            sink: torch.Tensor, index: torch.Tensor, scale: float, config: dict[str, int] | None,
+            rounded_p: bool) -> torch.Tensor:
     bsz, seqlen, heads, dim = q.shape
     if dim & (dim - 1) or dim < 16:
         raise ValueError(f"the sparse attention kernel needs a power-of-two head dim >= 16, got {dim}")
-    low = q.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16
+    paged = window is not None and table is not None
+    low = q.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16 and (window is None or window.dtype == kv.dtype)
     cuda = q.device.type == "cuda"
     # Triton's CPU interpreter cannot multiply bf16 tensors: there the bf16 operands are widened to fp32,
     # which gives the same products (exact in fp32) and the same fp32 accumulation.
     dot = "bfloat16" if low and cuda else "float32"
-    name = kernel_name(dim, low, rounded_p)
-    module = REGISTRY.build(name, "triton", "v4compile::sparse_attention",
-                            lambda: _SOURCE.format(dim=dim, low=low, dot=dot, precision="ieee", rounded_p=rounded_p),
+    name = kernel_name(dim, low, rounded_p, paged)
+    module = REGISTRY.build(name, "triton", "v4compile::sparse_attention" + ("_paged" if paged else ""),
+                            lambda: _SOURCE.format(dim=dim, low=low, dot=dot, precision="ieee", rounded_p=rounded_p,
+                                                   paged=paged),
                             lambda path: load_triton_module(path, not cuda), key=(cuda, low))
     q, kv, index = q.contiguous(), kv.contiguous(), index.contiguous()
+    if paged:
+        window, table = window.contiguous(), table.contiguous()
+        n_window, per_page = window.shape[1], kv.shape[1]
+        n_entries, s_tb = n_window + table.shape[1] * per_page, table.stride(0)
+        kv = kv.flatten(0, 1).unsqueeze(0)
+    else:
+        window, table, n_window, per_page, n_entries, s_tb = kv, index, 0, 1, kv.shape[1], 0
     out = torch.empty_like(q)
     k_total = index.shape[-1]
     rows = bsz * seqlen
@@ -169,10 +206,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, inde
         def run() -> None:
             grid = (rows, triton.cdiv(heads, block_h), splits)
             module.sparse_attention[grid](
-                q, kv, sink, index, out, part, seqlen, heads, kv.shape[1], k_total, per_split, scale,
-                q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), index.stride(0), index.stride(1),
-                out.stride(0), out.stride(1), out.stride(2), BLOCK_H=block_h, BLOCK_K=config["BLOCK_K"],
-                SPLITS=splits, num_warps=config["num_warps"])
+                q, kv, window, table, sink, index, out, part, seqlen, heads, n_entries, n_window, per_page, k_total,
+                per_split, scale, q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+                window.stride(0), window.stride(1), s_tb, index.stride(0), index.stride(1), out.stride(0),
+                out.stride(1), out.stride(2), BLOCK_H=block_h, BLOCK_K=config["BLOCK_K"], SPLITS=splits,
+                num_warps=config["num_warps"])
             if splits > 1:
                 module.sparse_attention_combine[(rows, triton.cdiv(heads, block_h))](
                     sink, out, part, seqlen, heads, out.stride(0), out.stride(1), out.stride(2),
