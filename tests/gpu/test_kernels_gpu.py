@@ -144,3 +144,23 @@ def test_indexer_scores_cuda(batch: int, keys: int) -> None:
     want = reference.indexer_scores(q, k, w)
     assert (got != want).float().mean() < 1e-3  # a rare last-bit difference from the fp32 summation order
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(("batch", "pages"), [(1, 128), (16, 32), (64, 32)])
+def test_paged_kernels_read_pages_in_place_cuda(batch: int, pages: int) -> None:
+    """Flash's decode shapes on scattered pages (32 entries a page): attention over ring + entries and the indexer's
+    scoring equal the same kernels over the gathered copy, bit for bit."""
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    pool = torch.randn(batch * pages + 1, 32, 512, generator=gen, device="cuda").bfloat16()
+    keys = torch.randn(batch * pages + 1, 32, 128, generator=gen, device="cuda").bfloat16()
+    table = (torch.randperm(batch * pages, device="cuda") + 1).view(batch, pages)
+    window = torch.randn(batch, 128, 512, generator=gen, device="cuda").bfloat16()
+    q, sink = torch.randn(batch, 1, 64, 512, generator=gen, device="cuda").bfloat16(), torch.randn(64, device="cuda")
+    index = torch.randint(-1, 128 + pages * 32, (batch, 1, 128 + 512), device="cuda")
+    got = ops.sparse_attention_paged(q, window, pool, table, sink, index, 512**-0.5, "triton")
+    copied = torch.cat((window, pool[table].flatten(1, 2)), dim=1)
+    assert torch.equal(got, ops.sparse_attention(q, copied, sink, index, 512**-0.5, "triton"))
+    iq = torch.randn(batch, 1, 64, 128, device="cuda").bfloat16()
+    w = torch.randn(batch, 1, 64, device="cuda").bfloat16()
+    scores = ops.indexer_scores_paged(iq, keys, table, w, "triton")
+    assert torch.equal(scores, ops.indexer_scores(iq, keys[table].flatten(1, 2), w, "triton"))
