@@ -93,12 +93,10 @@ class CompressorCache:
                                self.table[start:stop])
 
     def copy_row(self, dst_row: int, src: CompressorCache, src_row: int, entries: bool = True) -> None:
-        """Copies one sequence's state (and its entries unless ``entries`` is False) from ``src`` row ``src_row``:
-        between caches on the same shared pages its table row (the caller moves the pages' ownership), else the
-        entries themselves."""
-        if entries and self.table is not None and src.table is not None and self.pool is src.pool:
-            self.table[dst_row] = src.table[src_row]
-        elif entries:
+        """Copies one sequence's state (and its entries unless ``entries`` is False) from ``src`` row ``src_row``.
+        Between caches on the same shared pages the entries stay where they are: the cache's page table, which
+        every layer shares, moves once (``V4Cache.copy_row``; the caller moves the pages' ownership)."""
+        if entries and not (self.table is not None and src.table is not None and self.pool is src.pool):
             values = src.rows(src_row, src_row + 1).read()[0, : self.capacity]
             index = torch.arange(values.shape[0], device=self.pool.device)
             self.write(torch.tensor(dst_row, device=self.pool.device), index, values)
@@ -146,23 +144,20 @@ def compressor_cache(
 ) -> CompressorCache:
     """A cleared compressor cache owning its entries (``max_seq_len // ratio`` per row) and the fp32 open-block
     state."""
-    c = 2 if ratio == 4 else 1
-    return CompressorCache(
-        pool=torch.zeros(batch, max_seq_len // ratio, width, dtype=torch.bfloat16, device=device),
-        kv_state=torch.zeros(batch, c * ratio, c * width, dtype=torch.float32, device=device),
-        score_state=torch.full((batch, c * ratio, c * width), float("-inf"), dtype=torch.float32, device=device),
-    )
+    pool = torch.zeros(batch, max_seq_len // ratio, width, dtype=torch.bfloat16, device=device)
+    return CompressorCache(pool, *_open_block(batch, ratio, width, device))
 
 
 def paged_compressor_cache(pool: torch.Tensor, table: torch.Tensor, ratio: int) -> CompressorCache:
     """A cleared compressor cache on shared pages ``pool`` with the cache's page ``table`` [B, pages]."""
-    c, width, batch = 2 if ratio == 4 else 1, pool.shape[-1], table.shape[0]
-    return CompressorCache(
-        pool=pool,
-        kv_state=torch.zeros(batch, c * ratio, c * width, dtype=torch.float32, device=pool.device),
-        score_state=torch.full((batch, c * ratio, c * width), float("-inf"), dtype=torch.float32, device=pool.device),
-        table=table,
-    )
+    return CompressorCache(pool, *_open_block(table.shape[0], ratio, pool.shape[-1], pool.device), table=table)
+
+
+def _open_block(batch: int, ratio: int, width: int, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cleared fp32 open-block state (kv 0, score -inf): the block's rows, and for C4 the previous block's too."""
+    c = 2 if ratio == 4 else 1
+    return (torch.zeros(batch, c * ratio, c * width, dtype=torch.float32, device=device),
+            torch.full((batch, c * ratio, c * width), float("-inf"), dtype=torch.float32, device=device))
 
 
 class V4Cache:
@@ -229,7 +224,10 @@ class V4Cache:
         return view
 
     def copy_row(self, dst_row: int, src: V4Cache, src_row: int) -> None:
-        """Copies one sequence's whole state from ``src`` row ``src_row`` into row ``dst_row``."""
+        """Copies one sequence's whole state from ``src`` row ``src_row`` into row ``dst_row`` (on the same shared
+        pages: its page table row, not its entries)."""
+        if self.table is not None and src.table is not None and self.pages is src.pages:
+            self.table[dst_row] = src.table[src_row]
         for mine, theirs in zip(self.all_layers, src.all_layers, strict=True):
             mine.copy_row(dst_row, theirs, src_row)
 
