@@ -306,6 +306,8 @@ class ShadowRadix:
             if child is None:
                 break
             stop, n = min(len(child.tokens), limit - matched), chunk
+            if child.tokens[:stop] == tokens[matched : matched + stop]:
+                n = stop  # the common case, a whole edge in one comparison
             while n < stop and child.tokens[n : n + chunk] == tokens[matched + n : matched + n + chunk]:
                 n += chunk
             node = self._split(child, n) if n < len(child.tokens) else child

@@ -133,11 +133,12 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     rows = x.reshape(-1, k)
     m = rows.shape[0]
     cuda = x.device.type == "cuda"
-    if cuda and m == 1 and config is None and x.dtype == weight.dtype == torch.float32 and \
+    if cuda and m == 1 and config is None and weight.dtype == torch.float32 and \
             (bias is None or bias.dtype == torch.float32):
-        # one row of fp32 operands: cuBLAS's GEMV reads the weight as fast in one launch. The pass declines a
-        # static one-row product for that reason; a graph whose rows are dynamic meets the case here.
-        return torch.nn.functional.linear(rows, weight, bias).reshape(*lead, n)
+        # one row against an fp32 weight: cuBLAS's GEMV reads the weight as fast in one launch (the row widened
+        # first, as the model's own code does). The pass declines a static one-row product for that reason; a
+        # graph whose rows are dynamic meets the case here.
+        return torch.nn.functional.linear(rows.float(), weight, bias).reshape(*lead, n)
     module = _module(cuda)
     config = config or launch_config(m, n, k, cuda)
     split = config["SPLIT"]
