@@ -57,9 +57,10 @@ def frontier(model: v4compile.DeepSeekV4) -> list[dict[str, float]]:
     dims = v4compile.V4Config.preset("flash")
     rows = []
     print(f"footprint frontier, AGENTIC workload ({AGENTIC}), bytes at V4-Flash dims")
-    print("| tails kept | at most | hit rate (baseline) | recomputed per hit (max) | cached tokens | live tails | "
-          "B/cached token | baseline B/token | baseline / ours |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| tails kept | at most | hit rate (baseline) | continuations (baseline) | branches (baseline) | "
+          "recomputed per hit (max) | cached tokens | live tails | B/cached token | baseline B/token | "
+          "baseline / ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for tail_every in (0, 8):
         for cap in (5, 6, 8, 16):
             engine = Engine(model, max_batch=AGENTIC.conversations + AGENTIC.branches, tail_every=tail_every,
@@ -67,12 +68,17 @@ def frontier(model: v4compile.DeepSeekV4) -> list[dict[str, float]]:
             report: ServeReport = run_workload(engine, AGENTIC)
             ours, base, tokens, tails = flash_bytes(engine, dims)
             row = {"tail_every": tail_every, "cap": cap, "hit_rate": report.hit_rate,
-                   "baseline_hit_rate": report.baseline_hit_rate, "recompute_per_hit": report.recompute_per_hit,
+                   "baseline_hit_rate": report.baseline_hit_rate,
+                   "continuation_hit_rates": report.kind_hit_rates(branches=False),
+                   "branch_hit_rates": report.kind_hit_rates(branches=True),
+                   "recompute_per_hit": report.recompute_per_hit,
                    "max_recompute": report.max_recompute_per_hit, "cached_tokens": tokens, "tails": tails,
                    "bytes_per_token": ours, "baseline_bytes_per_token": base, "ratio": base / ours}
             rows.append(row)
             where = "at prompt ends" if not tail_every else f"every {tail_every} chunks"
+            (cont, cont_base), (branch, branch_base) = row["continuation_hit_rates"], row["branch_hit_rates"]
             print(f"| {where} | {cap} | {report.hit_rate:.3f} ({report.baseline_hit_rate:.3f}) | "
+                  f"{cont:.3f} ({cont_base:.3f}) | {branch:.3f} ({branch_base:.3f}) | "
                   f"{report.recompute_per_hit:.0f} ({report.max_recompute_per_hit}) | {tokens} | {tails} | "
                   f"{ours:.0f} | {base:.0f} | {base / ours:.2f}x |", flush=True)
     return rows

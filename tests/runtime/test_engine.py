@@ -255,3 +255,19 @@ def test_weights_changed_under_a_prefill_keep_its_kv_out_of_the_cache(model: Dee
     engine.generate([prompt], 2)
     engine.weights_updated()  # with prefixes cached: the old tree's page references all go back
     assert engine.caches.pages.used_count == 0
+
+
+def test_workload_report_splits_hits_into_continuations_and_branches(model: DeepSeekV4) -> None:
+    """The serving benchmark's report says where hits come from: the conversations' next turns (resumed where
+    their last turn ended) and the branch prompts (resumed at an arbitrary earlier point), which together make the
+    overall hit rate, for ours and for the baseline that keeps every token's window KV."""
+    from v4compile.runtime.workload import Workload, run_workload
+
+    workload = Workload(conversations=2, turns=3, system_len=300, message_len=(40, 90), answer_len=3, branches=1)
+    report = run_workload(Engine(model, max_batch=3), workload)
+    (cont, cont_base), (branch, branch_base) = report.kind_hit_rates(False), report.kind_hit_rates(True)
+    assert 0 < report.branch_prompt_tokens < report.prompt_tokens and branch_base > 0
+    share = report.branch_prompt_tokens / report.prompt_tokens
+    assert cont * (1 - share) + branch * share == pytest.approx(report.hit_rate)
+    assert cont_base * (1 - share) + branch_base * share == pytest.approx(report.baseline_hit_rate)
+    assert 0 < cont <= cont_base <= 1 and 0 <= branch <= branch_base <= 1

@@ -40,6 +40,9 @@ class ServeReport:
     recomputed_tokens: int = 0
     max_recompute_per_hit: int = 0
     baseline_cached_tokens: int = 0
+    branch_prompt_tokens: int = 0
+    branch_cached_tokens: int = 0
+    branch_baseline_cached_tokens: int = 0
     bytes_per_token: dict[str, float] = field(default_factory=dict)
     baseline_bytes_per_token: float = 0.0
 
@@ -57,6 +60,16 @@ class ServeReport:
     def baseline_hit_rate(self) -> float:
         """The same for the baseline cache."""
         return self.baseline_cached_tokens / max(self.prompt_tokens, 1)
+
+    def kind_hit_rates(self, branches: bool) -> tuple[float, float]:
+        """(ours, baseline) hit rates over the branch prompts (``branches``) or over the conversations' own
+        next turns: a continuation resumes where its last turn ended, a branch at an arbitrary earlier point."""
+        if branches:
+            return (self.branch_cached_tokens / max(self.branch_prompt_tokens, 1),
+                    self.branch_baseline_cached_tokens / max(self.branch_prompt_tokens, 1))
+        prompts = max(self.prompt_tokens - self.branch_prompt_tokens, 1)
+        return ((self.cached_tokens - self.branch_cached_tokens) / prompts,
+                (self.baseline_cached_tokens - self.branch_baseline_cached_tokens) / prompts)
 
 
 def run_workload(engine: Engine, workload: Workload) -> ServeReport:
@@ -81,14 +94,19 @@ def run_workload(engine: Engine, workload: Workload) -> ServeReport:
                 prompts.append(earlier[: rng.randrange(workload.system_len, len(earlier))]
                                + text(rng.randint(*workload.message_len)))
         results = engine.generate(prompts, workload.answer_len)
-        for prompt, result in zip(prompts, results, strict=True):
+        for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
             report.requests += 1
             report.hits += result.cache.cached_tokens + result.cache.recomputed_tokens > 0
             report.prompt_tokens += len(prompt)
             report.cached_tokens += result.cache.cached_tokens
             report.recomputed_tokens += result.cache.recomputed_tokens
             report.max_recompute_per_hit = max(report.max_recompute_per_hit, result.cache.recomputed_tokens)
-            report.baseline_cached_tokens += baseline.serve(prompt)
+            baseline_hit = baseline.serve(prompt)
+            report.baseline_cached_tokens += baseline_hit
+            if i >= len(histories):
+                report.branch_prompt_tokens += len(prompt)
+                report.branch_cached_tokens += result.cache.cached_tokens
+                report.branch_baseline_cached_tokens += baseline_hit
         snapshots.extend(histories)
         histories = [h + r.tokens + text(rng.randint(*workload.message_len))
                      for h, r in zip(histories, results[: len(histories)], strict=True)]
