@@ -106,8 +106,8 @@ def test_the_concatenated_sink_softmax_is_matched_too(monkeypatch: pytest.Monkey
 
 def test_indexer_keys_on_pages_are_scored_in_place(tiny_model: v4compile.DeepSeekV4) -> None:
     """A decode over a cache on shared pages (the engine's layout, pages scattered): attention and the indexer
-    scoring become the paged kernels, and the logits are bit for bit those of the same kernels over a cache owning
-    its rows."""
+    scoring become the paged kernels (head padding leaves them be, saying why), and the logits are bit for bit
+    those of the same kernels over a cache owning its rows."""
     config = tiny_model.config
     ids = sample_ids(tiny_model)
     batch, per_row = ids.shape[0], -(-config.max_seq_len // PAGE_TOKENS)
@@ -125,10 +125,15 @@ def test_indexer_keys_on_pages_are_scored_in_place(tiny_model: v4compile.DeepSee
         return filled
 
     positions = torch.full((batch,), ids.shape[1] - 1)
-    optimized = v4compile.optimize(tiny_model, backend="triton", passes=["sparse_attention"], inductor=False,
-                                   regions=False)
+    optimized = v4compile.optimize(tiny_model, backend="triton", passes=["sparse_attention", "head_padding"],
+                                   options={"head_padding": {"target": "sm90"}}, inductor=False, regions=False)
     with torch.no_grad():
         got = optimized.decode_step(ids[:, -1:], positions, cache(True))
+        [padding] = _stats(optimized, "head_padding")
+        # the window-only layer's call is padded; the paged calls are near-misses that say why
+        assert [m.location.module for m in padding.matches] == ["layers.0"]
+        assert sorted(m.location.module for m in padding.near_misses) == ["layers.1", "layers.2", "layers.3"]
+        assert all("masks its head block" in m.reason for m in padding.near_misses)
         [stats] = _stats(optimized, "sparse_attention")
         scoring = [m for m in stats.matches if m.details["form"] == "indexer scores"]
         assert len(scoring) == 2 and all(m.details["paged"] and m.kernel.startswith("indexer_scores_paged.")
