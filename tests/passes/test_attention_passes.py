@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import v4compile
+from v4compile.codegen.registry import REGISTRY
 from v4compile.debugging import explain, run_entries, sample_ids
 from v4compile.model import attention as attention_module
 from v4compile.model.cache import PAGE_TOKENS, V4Cache
@@ -50,6 +51,9 @@ def test_padded_heads_leave_decode_logits_unchanged(decode_pair: dict) -> None:
     assert len(stats.matches) == 4
     assert all(m.details["heads"] == 4 and m.details["padded_heads"] == 64 and m.details["from"] == "sm90"
                for m in stats.matches)
+    # each padded call is reported by the name of the kernel it runs, which the registry (and the CLI) know
+    assert {m.kernel for m in stats.matches} == {"sparse_attention.d128.bf16dot.triton"}
+    assert REGISTRY.records["sparse_attention.d128.bf16dot.triton"].launches > 0
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 

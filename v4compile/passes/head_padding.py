@@ -19,6 +19,7 @@ from torch import fx
 from ..codegen import ops
 from ..targets import target, target_name
 from .base import GraphPass, NoMatch, Rewrite, RewriteContext, shape
+from .sparse_attention import attention_kernel
 
 
 class HeadPadding(GraphPass):
@@ -61,6 +62,6 @@ class HeadPadding(GraphPass):
         padded = heads + (-heads % multiple)
         impl = ops.implementation_backend("sparse_attention", backend, q.meta.get("val"))
         return Rewrite(node, ops.sparse_attention_padded, (q, kv, sink, index, scale, multiple, backend),
-                       f"sparse_attention.d{dims[-1]}.padded{multiple}.{impl}",
+                       attention_kernel(dims[-1], impl, q, kv),
                        {"heads": heads, "padded_heads": padded, "multiple": multiple, "from": source,
                         "tp": int(self.options.get("tp", 1))})

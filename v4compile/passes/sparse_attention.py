@@ -34,8 +34,9 @@ from ..codegen.triton.sparse_attention import kernel_name as attention_kernel_na
 from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, shape
 
 
-def _attention_kernel(dim: int, impl: str, q: fx.Node, kv: fx.Node, paged: bool = False) -> str:
-    # the name the kernel registers under (the registry's, the CLI's and the reports' one name)
+def attention_kernel(dim: int, impl: str, q: fx.Node, kv: fx.Node, paged: bool = False) -> str:
+    """The name the attention kernel of these operands registers under: the registry's, the CLI's and every
+    report's one name (``head_padding`` reports its padded calls by it too)."""
     if impl == "triton":
         vals = (q.meta.get("val"), kv.meta.get("val"))
         low = all(v is not None and v.dtype == torch.bfloat16 for v in vals)
@@ -196,10 +197,10 @@ class SparseAttention(GraphPass):
             impl = ops.implementation_backend("sparse_attention_paged", ctx.backend, q.meta.get("val"))
             return Rewrite(_single_value(out), ops.sparse_attention_paged,
                            (q, *paged, sink, index, scale, ctx.backend),
-                           _attention_kernel(dims[-1], impl, q, paged[0], paged=True), details)
+                           attention_kernel(dims[-1], impl, q, paged[0], paged=True), details)
         impl = ops.implementation_backend("sparse_attention", ctx.backend, q.meta.get("val"))
         return Rewrite(_single_value(out), ops.sparse_attention, (q, kv, sink, index, scale, ctx.backend),
-                       _attention_kernel(dims[-1], impl, q, kv), details)
+                       attention_kernel(dims[-1], impl, q, kv), details)
 
     def _official_softmax(self, node: fx.Node, weights: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
         """``einsum(exp(s - max), keys) / (sum(exp(s - max)) + exp(sink - max))`` -> (s, sink, the division)."""
