@@ -57,7 +57,7 @@ def frontier(model: v4compile.DeepSeekV4) -> list[dict[str, float]]:
     dims = v4compile.V4Config.preset("flash")
     rows = []
     print(f"footprint frontier, AGENTIC workload ({AGENTIC}), bytes at V4-Flash dims")
-    print("| tails kept | at most | hit rate (baseline) | continuations (baseline) | branches (baseline) | "
+    print("| tails kept | at most | hit rate (baseline) | conversation prompts (baseline) | branches (baseline) | "
           "recomputed per hit (max) | cached tokens | live tails | B/cached token | baseline B/token | "
           "baseline / ours |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -69,14 +69,14 @@ def frontier(model: v4compile.DeepSeekV4) -> list[dict[str, float]]:
             ours, base, tokens, tails = flash_bytes(engine, dims)
             row = {"tail_every": tail_every, "cap": cap, "hit_rate": report.hit_rate,
                    "baseline_hit_rate": report.baseline_hit_rate,
-                   "continuation_hit_rates": report.kind_hit_rates(branches=False),
+                   "conversation_hit_rates": report.kind_hit_rates(branches=False),
                    "branch_hit_rates": report.kind_hit_rates(branches=True),
                    "recompute_per_hit": report.recompute_per_hit,
                    "max_recompute": report.max_recompute_per_hit, "cached_tokens": tokens, "tails": tails,
                    "bytes_per_token": ours, "baseline_bytes_per_token": base, "ratio": base / ours}
             rows.append(row)
             where = "at prompt ends" if not tail_every else f"every {tail_every} chunks"
-            (cont, cont_base), (branch, branch_base) = row["continuation_hit_rates"], row["branch_hit_rates"]
+            (cont, cont_base), (branch, branch_base) = row["conversation_hit_rates"], row["branch_hit_rates"]
             print(f"| {where} | {cap} | {report.hit_rate:.3f} ({report.baseline_hit_rate:.3f}) | "
                   f"{cont:.3f} ({cont_base:.3f}) | {branch:.3f} ({branch_base:.3f}) | "
                   f"{report.recompute_per_hit:.0f} ({report.max_recompute_per_hit}) | {tokens} | {tails} | "

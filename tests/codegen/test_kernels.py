@@ -473,8 +473,8 @@ def _sm90_loads(source: str, kernel: str, signature: dict[str, str], constexprs:
 
 def test_paged_sparse_attention_loads_entries_16_bytes_at_a_time_on_hopper() -> None:
     """The paged kernel picks each key from the window or a page; lowered for sm_90 it still copies the keys in
-    16-byte asynchronous loads as the kernel over the gathered copy does (a plain select lowered them to two-byte
-    loads: 2-3x slower at one decode row on the H100), and only when both tensors are 16-byte aligned."""
+    16-byte asynchronous loads as the kernel over the gathered copy does (with this Triton, a plain select lowers
+    them to two-byte loads), and only when both tensors are 16-byte aligned."""
     pytest.importorskip("triton.backends.nvidia")
     from v4compile.codegen.triton import sparse_attention as attention
 

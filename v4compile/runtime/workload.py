@@ -62,8 +62,9 @@ class ServeReport:
         return self.baseline_cached_tokens / max(self.prompt_tokens, 1)
 
     def kind_hit_rates(self, branches: bool) -> tuple[float, float]:
-        """(ours, baseline) hit rates over the branch prompts (``branches``) or over the conversations' own
-        next turns: a continuation resumes where its last turn ended, a branch at an arbitrary earlier point."""
+        """(ours, baseline) hit rates over the branch prompts (``branches``) or over the conversations' own prompts
+        (every turn, the first included): a conversation's turn resumes where its last turn ended, a branch at an
+        arbitrary earlier point."""
         if branches:
             return (self.branch_cached_tokens / max(self.branch_prompt_tokens, 1),
                     self.branch_baseline_cached_tokens / max(self.branch_prompt_tokens, 1))

@@ -64,8 +64,8 @@ def sparse_attention(Q, KV, WIN, TABLE, SINK, INDEX, OUT, PART, seqlen, heads, n
             where = tl.where(paged[:, None], KV + (page * per_page + entry % per_page)[:, None] * s_kvn,
                              WIN + b * s_wb + idx[:, None] * s_wn) + d[None, :]
             if ALIGNED:
-                # the select hides that every row starts 16-byte aligned: without the hint the rows load two
-                # bytes at a time, unpipelined (2-3x slower at one row)
+                # the select hides that every row starts 16-byte aligned: without the hint Triton 3.9 loads the
+                # rows two bytes at a time, unpipelined (tests/codegen: the sm_90 lowering)
                 where = tl.multiple_of(where, [1, 16])
         else:
             where = KV + b * s_kvb + idx[:, None] * s_kvn + d[None, :]
