@@ -210,9 +210,26 @@ class V4Cache:
 
     def reset(self, rows: list[int] | None = None) -> None:
         """Clears the given batch rows (all when None) so new sequences can start there."""
-        index = torch.arange(self.batch_size) if rows is None else torch.tensor(rows, dtype=torch.long)
+        if rows is None:
+            self._clear()
+            return
+        index = torch.tensor(rows, dtype=torch.long)
         for layer in self.all_layers:
             layer.reset_rows(index.to(layer.window.device))
+
+    def _clear(self) -> None:
+        """Every row cleared as ``reset_rows`` clears one, in two multi-tensor launches rather than a few per layer
+        (a prefix hit clears its staging row first: 43 layers on V4-Flash)."""
+        zeros, scores = [], []
+        for layer in self.all_layers:
+            zeros.append(layer.window)
+            for c in (layer.compressor, layer.indexer):
+                if c is not None:
+                    zeros += [c.kv_state] if c.shared else [c.pool, c.kv_state]
+                    scores.append(c.score_state)
+        torch._foreach_zero_(zeros + scores)
+        if scores:
+            torch._foreach_add_(scores, float("-inf"))  # a cleared score is -inf
 
     def rows(self, start: int, stop: int) -> V4Cache:
         """A cache over batch rows ``start..stop-1`` that shares storage with this one (writes go through)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.cache import V4Cache
+from ..model.cache import LayerCache, V4Cache
 from ..model.config import V4Config
 from .pools import PoolSet, SlotPool
 
@@ -64,14 +64,17 @@ class PrefixPools:
             for j, i in enumerate(self.c4):
                 entries = self.c4_entries[j, ids].to(self.window_kv.device)
                 layers[i].compressor.rows(0, 1).write_range(0, entries.unsqueeze(0))
-        window, ring = self._ids(tail), self._ring(end)
+        # one gather per pool for every layer, then one multi-tensor copy into the rings and states
+        tails = self.window_kv[:, self._ids(tail)]
+        into, values = [], []
         for i, layer in enumerate(layers):
-            layer.window[0, ring] = self.window_kv[i, window]
-        for j, i in enumerate(self.c4):
-            for prefix, cached in (("", layers[i].compressor), ("index_", layers[i].indexer)):
-                w = cached.kv_state.shape[-1] // 2
-                cached.kv_state[0, :4, :w] = self.states[prefix + "kv"][j, state]
-                cached.score_state[0, :4, :w] = self.states[prefix + "score"][j, state]
+            for ring, part in self._ring_runs(end):
+                into.append(layer.window[0, ring])
+                values.append(tails[i, part])
+        for name, views in self._state_views(layers).items():
+            into += views
+            values += list(self.states[name][:, state].unbind(0))
+        torch._foreach_copy_(into, values)
 
     # ------------------------------------------------------------------ copy out
     def store_c4(self, cache: V4Cache, known: int, end: int, c4: list[int]) -> None:
@@ -85,17 +88,33 @@ class PrefixPools:
         """Copies row 0's window tail ending at ``end`` into ``window`` slots and its C4 compressor states into
         snapshot ``state``."""
         layers = cache.layers
-        slots, ring = self._ids(window), self._ring(end)
-        for i, layer in enumerate(layers):
-            self.window_kv[i, slots] = layer.window[0, ring]
-        for j, i in enumerate(self.c4):
-            for prefix, cached in (("", layers[i].compressor), ("index_", layers[i].indexer)):
-                w = cached.kv_state.shape[-1] // 2
-                self.states[prefix + "kv"][j, state] = cached.kv_state[0, :4, :w]
-                self.states[prefix + "score"][j, state] = cached.score_state[0, :4, :w]
+        rings = torch.stack([layer.window[0] for layer in layers])
+        self.window_kv[:, self._ids(window)] = rings[:, self._ring(end)]
+        for name, views in self._state_views(layers).items():
+            if views:
+                self.states[name][:, state] = torch.stack(views)
 
     def _ids(self, slots: list[int], device: torch.device | None = None) -> torch.Tensor:
         return torch.tensor(slots, dtype=torch.long, device=device or self.window_kv.device)
+
+    def _state_views(self, layers: list[LayerCache]) -> dict[str, list[torch.Tensor]]:
+        """Per snapshot pool, row 0's previous-block rows of every C4 layer's compressor (or indexer) state: what a
+        snapshot keeps (a block boundary leaves the open block empty)."""
+        views: dict[str, list[torch.Tensor]] = {name: [] for name in self.states}
+        for i in self.c4:
+            for prefix, cached in (("", layers[i].compressor), ("index_", layers[i].indexer)):
+                w = cached.kv_state.shape[-1] // 2
+                views[prefix + "kv"].append(cached.kv_state[0, :4, :w])
+                views[prefix + "score"].append(cached.score_state[0, :4, :w])
+        return views
+
+    def _ring_runs(self, end: int) -> list[tuple[slice, slice]]:
+        """(ring slots, tail positions) of the tail ending at ``end`` as at most two contiguous runs (the ring
+        wraps once): ``_ring(end)`` as slices, so copies into the ring are plain views."""
+        start = (end - self.window) % self.window
+        runs = [(slice(start, self.window), slice(0, self.window - start)),
+                (slice(0, start), slice(self.window - start, self.window))]
+        return [(ring, part) for ring, part in runs if ring.stop > ring.start]
 
     def _ring(self, end: int) -> torch.Tensor:
         """Ring slots of the window tail ending at ``end`` (tokens end - window .. end - 1)."""
