@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from types import SimpleNamespace
 
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -114,3 +115,43 @@ class PageTableMachine(RuleBasedStateMachine):
 
 TestPageTables = PageTableMachine.TestCase
 TestPageTables.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.parametrize("end", [256, 300, 131])
+def test_a_tail_saved_and_loaded_restores_rings_and_states_exactly(end: int) -> None:
+    """A window tail and C4 state snapshot saved from one cache row and loaded into a cleared one give back the
+    row's ring slots of the last ``window`` tokens and the previous-block states, wherever the ring wraps; a full
+    reset clears windows and states (scores to -inf) and leaves shared pages alone."""
+    from v4compile.model.cache import V4Cache
+    from v4compile.model.pages import EntryPages
+    from v4compile.runtime.prefix_pools import PrefixPools
+
+    config = V4Config.preset("tiny", max_seq_len=512)
+    pages = EntryPages(config, 9, "cpu")
+    for pool in pages.pools.values():
+        pool.normal_()
+    source, target = V4Cache(config, 1, 512, "cpu", pages), V4Cache(config, 1, 512, "cpu", pages)
+    for cache in (source, target):
+        for t in cache.tensors():
+            if t.is_floating_point():
+                t.normal_()
+    kept = {key: pool.clone() for key, pool in pages.pools.items()}
+    pools = PrefixPools(config, tails=2, device=torch.device("cpu"))
+    slots = list(range(config.window_size, 2 * config.window_size))
+    pools.store_tail(source, end, slots, state=1)
+    target.reset()
+    for layer in target.all_layers:
+        assert not layer.window.any()
+        for c in (layer.compressor, layer.indexer):
+            if c is not None:
+                assert not c.kv_state.any() and bool((c.score_state == float("-inf")).all())
+    assert all(torch.equal(pool, kept[key]) for key, pool in pages.pools.items())
+    pools.load(target, end, slots, state=1, c4=[])
+    ring = torch.arange(end - config.window_size, end) % config.window_size
+    for mine, theirs in zip(target.layers, source.layers, strict=True):
+        assert torch.equal(mine.window[0, ring], theirs.window[0, ring])
+        for c, s in ((mine.compressor, theirs.compressor), (mine.indexer, theirs.indexer)):
+            if c is not None and c.kv_state.shape[1] == 8:
+                w = c.kv_state.shape[-1] // 2
+                assert torch.equal(c.kv_state[0, :4, :w], s.kv_state[0, :4, :w])
+                assert torch.equal(c.score_state[0, :4, :w], s.score_state[0, :4, :w])

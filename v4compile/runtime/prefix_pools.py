@@ -111,7 +111,7 @@ class PrefixPools:
     def _ring_runs(self, end: int) -> list[tuple[slice, slice]]:
         """(ring slots, tail positions) of the tail ending at ``end`` as at most two contiguous runs (the ring
         wraps once): ``_ring(end)`` as slices, so copies into the ring are plain views."""
-        start = (end - self.window) % self.window
+        start = end % self.window  # the slot of token end - window
         runs = [(slice(start, self.window), slice(0, self.window - start)),
                 (slice(0, start), slice(self.window - start, self.window))]
         return [(ring, part) for ring, part in runs if ring.stop > ring.start]
