@@ -25,11 +25,17 @@ TAIL_SHARE = 0.25
 """Fraction of the cache budget left after the rows spent on window tails (plus their state snapshots)."""
 
 
+def _slot_bytes(config: V4Config) -> dict[str, int]:
+    """Bytes of one slot of each device pool: a token's window KV in every layer, one state snapshot."""
+    n_c4 = sum(r == 4 for r in config.layer_ratios)
+    return {"window": len(config.layer_ratios) * config.head_dim * 2,
+            "state": n_c4 * 4 * 4 * 2 * (config.head_dim + config.index_head_dim)}
+
+
 def tail_bytes(config: V4Config) -> int:
     """Bytes of one window tail and its state snapshot."""
-    n_c4 = sum(r == 4 for r in config.layer_ratios)
-    return config.window_size * len(config.layer_ratios) * config.head_dim * 2 + \
-        n_c4 * 4 * 4 * 2 * (config.head_dim + config.index_head_dim)
+    sizes = _slot_bytes(config)
+    return config.window_size * sizes["window"] + sizes["state"]
 
 
 class PrefixPools:
@@ -42,7 +48,7 @@ class PrefixPools:
         self.window, self.host_c4 = config.window_size, host_c4
         self.c4 = [i for i, r in enumerate(ratios) if r == 4]
         d, di, n = config.head_dim, config.index_head_dim, len(ratios)
-        sizes = {"window": n * d * 2, "state": len(self.c4) * 4 * 4 * 2 * (d + di)}
+        sizes = _slot_bytes(config)
         capacity = {"window": tails * self.window, "state": tails}
         if host_c4:
             sizes["c4"], capacity["c4"] = len(self.c4) * d * 2, c4_tokens // 4
@@ -89,7 +95,7 @@ class PrefixPools:
         snapshot ``state``."""
         layers = cache.layers
         rings = torch.stack([layer.window[0] for layer in layers])
-        self.window_kv[:, self._ids(window)] = rings[:, self._ring(end)]
+        self.window_kv[:, self._ids(window)] = torch.cat([rings[:, ring] for ring, _ in self._ring_runs(end)], 1)
         for name, views in self._state_views(layers).items():
             if views:
                 self.states[name][:, state] = torch.stack(views)
@@ -109,13 +115,9 @@ class PrefixPools:
         return views
 
     def _ring_runs(self, end: int) -> list[tuple[slice, slice]]:
-        """(ring slots, tail positions) of the tail ending at ``end`` as at most two contiguous runs (the ring
-        wraps once): ``_ring(end)`` as slices, so copies into the ring are plain views."""
+        """(ring slots, tail positions) of the tail ending at ``end`` (tokens end - window .. end - 1, token t in
+        slot t mod window) as at most two contiguous runs, since the ring wraps once: copies are plain views."""
         start = end % self.window  # the slot of token end - window
         runs = [(slice(start, self.window), slice(0, self.window - start)),
                 (slice(0, start), slice(self.window - start, self.window))]
         return [(ring, part) for ring, part in runs if ring.stop > ring.start]
-
-    def _ring(self, end: int) -> torch.Tensor:
-        """Ring slots of the window tail ending at ``end`` (tokens end - window .. end - 1)."""
-        return torch.arange(end - self.window, end, device=self.window_kv.device) % self.window
