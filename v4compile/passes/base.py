@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 
@@ -371,3 +372,26 @@ def scalar_operand(node: fx.Node, value: object, what: str) -> float:
     if isinstance(other, fx.Node) or other is None:
         raise NoMatch(f"{what} is not a constant")
     return float(other)
+
+
+def fake_value(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+    """The op's output computed by its fake implementation on the arguments' traced values, so later passes see the
+    shape and dtype of a new node as of any other node; None when an argument has no traced value."""
+    values = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
+    fakes = [v for v in values if isinstance(v, FakeTensor)]
+    if not fakes or any(isinstance(a, fx.Node) and v is None for a, v in zip(args, values, strict=True)):
+        return None
+    try:
+        with fakes[0].fake_mode:
+            return op(*values, **(kwargs or {}))
+    except Exception:  # an op whose fake rejects these values: the node keeps no value
+        return None
+
+
+def traced_call(graph: fx.Graph, op: Any, *args: Any, **kwargs: Any) -> fx.Node:
+    """A new ``op(*args, **kwargs)`` node at the graph's insertion point, with its traced value (``fake_value``)."""
+    node = graph.call_function(op, args, kwargs)
+    value = fake_value(op, args, kwargs)
+    if value is not None:
+        node.meta["val"] = value
+    return node

@@ -20,11 +20,10 @@ from typing import Any
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import logs, progress
 from ..codegen.registry import REGISTRY
-from .base import GraphPass, Location, Match, NearMiss, NoMatch, Rewrite, RewriteContext, SymDim, locate
+from .base import GraphPass, Location, Match, NearMiss, NoMatch, Rewrite, RewriteContext, SymDim, fake_value, locate
 from .normalize import normalize
 from .summary import PassSummary, summary_rows
 
@@ -102,20 +101,6 @@ def _without_sizes(rewrite: Rewrite) -> Rewrite:
     return rewrite
 
 
-def _fake_value(op: Any, args: tuple[Any, ...]) -> Any:
-    """The op's output computed by its fake implementation on the arguments' traced values, so later passes see the
-    shape and dtype of a rewrite's output as of any other node; None when an argument has no traced value."""
-    values = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
-    fakes = [v for v in values if isinstance(v, FakeTensor)]
-    if not fakes or any(isinstance(a, fx.Node) and v is None for a, v in zip(args, values, strict=True)):
-        return None
-    try:
-        with fakes[0].fake_mode:
-            return op(*values)
-    except Exception:  # an op whose fake rejects these values: the node keeps no value, as before
-        return None
-
-
 def apply_rewrite(graph: fx.Graph, rewrite: Rewrite, check: Match | None = None) -> fx.Node:
     """Inserts the custom-op call, reroutes the region's outputs to it and removes the dead region (an
     annotation-only rewrite just annotates the graph: no value changes, so a checked one's error is 0)."""
@@ -128,7 +113,7 @@ def apply_rewrite(graph: fx.Graph, rewrite: Rewrite, check: Match | None = None)
     with graph.inserting_before(rewrite.sink):
         new = graph.call_function(op, rewrite.args)
         new.meta.update({k: v for k, v in rewrite.sink.meta.items() if k != "val"})
-        value = _fake_value(op, rewrite.args)
+        value = fake_value(op, rewrite.args)
         if value is not None:
             new.meta["val"] = value
         outputs: dict[Any, fx.Node] = {}

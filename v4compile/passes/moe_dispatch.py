@@ -15,9 +15,10 @@ transformers' grouped experts (``grouped_mm_experts_forward``: pairs sorted by e
 after the down projection, the outputs put back by an inverse permutation and summed per token) start at the down
 projection's grouped matmul followed by the weights' multiply; they are bound against that function (the template
 ``_grouped_experts``, both weight layouts) and become the same op, ``w1`` and
-``w3`` the two halves of the fused weight (views). Only score-routed layers (expert ids from a ``topk``) match:
-transformers' hash-routed layers count an expert that a token lists twice twice, the kernel (and the official model)
-once, so they are near-misses saying so.
+``w3`` the two halves of the fused weight (views). Ids from a ``topk`` never repeat; ids from anywhere else
+(transformers' hash routing: a table lookup) may list an expert twice, which transformers counts twice and the op (like
+the official model) once: there each listing's weight becomes the sum of its expert's listings' weights, so the op's
+one count computes transformers' sum.
 
 The two place the routing weight differently, so they round differently: transformers rounds silu(g) * u, the down
 projection and weight * output each to bf16 and sums in bf16; the op rounds weight * silu(g) * u once and sums in
@@ -50,6 +51,7 @@ from .base import (
     is_op,
     locate,
     shape,
+    traced_call,
     users_past_noop_slices,
 )
 from .template import Template, bind_first, example_sizes, skip_noop_casts, trace
@@ -278,14 +280,15 @@ def _analyze_grouped(down_mm: fx.Node, ctx: RewriteContext) -> Rewrite:
         end, f"not transformers' grouped experts ({n} experts, limit {limit})")
     x, weights, ids, *projections = binding.inputs
     selector = _source(ids)
-    if not (selector.target is operator.getitem and is_op(selector.args[0], aten.topk) and selector.args[1] == 1):
-        raise NoMatch(f"hash-routed experts (ids from {_describe_source(selector)}, not a top-k): transformers counts "
-                      "an expert a token lists twice twice, the kernel (and the official model) once")
-    scores = shape(selector.args[0].args[0]) or ()
-    if not scores or scores[-1] != n:
-        raise NoMatch(f"the top-k at {locate(selector)} ranks {scores[-1] if scores else '?'} experts, the weights "
-                      f"hold {n}")
+    top_k = selector.target is operator.getitem and is_op(selector.args[0], aten.topk) and selector.args[1] == 1
+    if top_k:
+        scores = shape(selector.args[0].args[0]) or ()
+        if not scores or scores[-1] != n:
+            raise NoMatch(f"the top-k at {locate(selector)} ranks {scores[-1] if scores else '?'} experts, the "
+                          f"weights hold {n}")
     with end.graph.inserting_before(end):
+        if not top_k:
+            weights = _merge_repeats(end.graph, ids, weights)
         if fused:
             w1 = end.graph.call_function(aten.slice.Tensor, (projections[0], 1, 0, inter))
             w3 = end.graph.call_function(aten.slice.Tensor, (projections[0], 1, inter, 2 * inter))
@@ -302,9 +305,22 @@ def _analyze_grouped(down_mm: fx.Node, ctx: RewriteContext) -> Rewrite:
     impl = ops.implementation_backend("moe_experts", ctx.backend)
     details = {"experts": n, "first": 0, "top_k": k, "format": "bf16", "pow2_scales": False, "swiglu_limit": limit,
                "tokens": sum_shape[0], "dim": dim, "inter_dim": inter,
-               "form": "transformers fused gate_up" if fused else "transformers gate, up"}
+               "form": "transformers fused gate_up" if fused else "transformers gate, up",
+               "routing": "top-k" if top_k else f"ids from {_describe_source(selector)}: repeats counted per listing"}
     return Rewrite(end, ops.moe_experts, (x, weights, ids, 0, w1, w3, down, None, None, None, "bf16", False, limit,
                                           ctx.backend), f"moe_experts.bf16.{impl}", details)
+
+
+def _merge_repeats(graph: fx.Graph, ids: fx.Node, weights: fx.Node) -> fx.Node:
+    """Routing weights [T, k] where each listing of an expert carries the fp32 sum of the weights of every listing of
+    that expert in its token's row. Ids not from a top-k (transformers' hash routing) may list an expert twice;
+    transformers then counts it twice, the op once (its first listing): with the weights merged both compute the
+    same sum (in the op, the merged weight scales the SwiGLU once)."""
+    same = traced_call(graph, aten.eq.Tensor, traced_call(graph, aten.unsqueeze.default, ids, -1),
+                       traced_call(graph, aten.unsqueeze.default, ids, -2))
+    wide = traced_call(graph, aten.unsqueeze.default,
+                       traced_call(graph, aten._to_copy.default, weights, dtype=torch.float32), -2)
+    return traced_call(graph, aten.sum.dim_IntList, traced_call(graph, aten.mul.Tensor, same, wide), [-1])
 
 
 def _describe_source(node: object) -> str:
