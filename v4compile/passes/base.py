@@ -19,8 +19,9 @@ from typing import Any, ClassVar
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
+from torch.utils import _pytree as pytree
 
 
 class NoMatch(Exception):
@@ -374,24 +375,35 @@ def scalar_operand(node: fx.Node, value: object, what: str) -> float:
     return float(other)
 
 
-def fake_value(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+def fake_value(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, mode: Any = None) -> Any:
     """The op's output computed by its fake implementation on the arguments' traced values, so later passes see the
-    shape and dtype of a new node as of any other node; None when an argument has no traced value."""
-    values = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
-    fakes = [v for v in values if isinstance(v, FakeTensor)]
-    if not fakes or any(isinstance(a, fx.Node) and v is None for a, v in zip(args, values, strict=True)):
+    shape and dtype of a new node as of any other node; None when an argument has no traced value. ``mode``: the
+    fake mode for an op without tensor arguments (a factory)."""
+    nodes: list[fx.Node] = []
+    fx.node.map_arg(args, nodes.append)
+    if any(n.meta.get("val") is None for n in nodes):
+        return None
+    values = fx.node.map_arg(args, lambda n: n.meta["val"])
+    leaves = pytree.tree_leaves(values)
+    modes = {id(v.fake_mode): v.fake_mode for v in leaves if isinstance(v, FakeTensor)}
+    if len(modes) == 1:
+        mode = next(iter(modes.values()))
+    elif any(isinstance(v, torch.Tensor) for v in leaves):
+        mode = FakeTensorMode()  # real tensors, or fakes of several modes (make_fx's factories): one mode's copies
+        values = pytree.tree_map_only(torch.Tensor, mode.from_tensor, values)
+    if mode is None:
         return None
     try:
-        with fakes[0].fake_mode:
+        with mode:
             return op(*values, **(kwargs or {}))
     except Exception:  # an op whose fake rejects these values: the node keeps no value
         return None
 
 
-def traced_call(graph: fx.Graph, op: Any, *args: Any, **kwargs: Any) -> fx.Node:
+def traced_call(graph: fx.Graph, op: Any, *args: Any, fake_mode: Any = None, **kwargs: Any) -> fx.Node:
     """A new ``op(*args, **kwargs)`` node at the graph's insertion point, with its traced value (``fake_value``)."""
     node = graph.call_function(op, args, kwargs)
-    value = fake_value(op, args, kwargs)
+    value = fake_value(op, args, kwargs, fake_mode)
     if value is not None:
         node.meta["val"] = value
     return node

@@ -8,7 +8,9 @@ Every rule here is exact (the normalised graph computes bitwise the same values,
 - ``unbind`` read through ``getitem`` -> ``select`` (``s0, s1, s2 = scale.unbind(0)`` is ``scale[0]`` ...);
 - ``aten.to`` to the dtype and device its input already has -> the input (``x.float()`` on an fp32 tensor: ATen
   returns the input itself, so the aliasing is unchanged);
-- ``dropout`` that drops nothing (p = 0 or not training) -> its input.
+- ``dropout`` that drops nothing (p = 0 or not training) -> its input;
+- a fresh constant buffer filled by ``copy_`` into its slices, then read -> the ``cat`` of what was written
+  (``passes/buffer_writes.py``).
 
 Spellings that are the same math but not the same rounding (``linear(x * r, W)`` vs ``linear(x, W) * r``, a matmul
 vs a broadcast product summed) are left to the passes, which match both and state the difference in their
@@ -24,6 +26,7 @@ import torch
 from torch import fx
 
 from .base import is_op
+from .buffer_writes import writes_to_cat
 
 aten = torch.ops.aten
 
@@ -42,6 +45,8 @@ def normalize(gm: fx.GraphModule) -> dict[str, int]:
         elif is_op(node, aten.dropout) and (node.args[1] == 0 or node.args[2] is False):
             node.replace_all_uses_with(node.args[0])
             counts["inactive dropout removed"] += 1
+    counts["slice writes -> cat"] += writes_to_cat(gm)
+    counts = +counts
     if counts:
         gm.graph.eliminate_dead_code()
         gm.graph.lint()
