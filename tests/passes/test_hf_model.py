@@ -309,6 +309,31 @@ def test_compressor_pooling_matches_in_either_spelling(ratio: int, spelling: str
     assert error <= (CompressorFusion.tolerance if spelling == "transformers" else 1e-6)
 
 
+@pytest.mark.parametrize("any_ties", [False, True])
+def test_topk_over_indexer_scores_is_rewritten_only_when_any_tie_order_will_do(any_ties: bool) -> None:
+    """transformers' indexer selection: topk over relu-weighted scores with future entries at -inf. Its ties (0 where
+    every head's dot is negative, common with few heads) follow torch.topk's unspecified order, so the pass declines
+    unless option ``any_ties``; rewritten, the ids are the stable sort's (ties to the lowest index)."""
+    from v4compile.passes.radix_topk import RadixTopK
+
+    def select(q, keys, w, future):
+        scores = (F.relu(torch.matmul(q, keys.transpose(-1, -2).unsqueeze(1))) * 0.5 * w.unsqueeze(-1)).sum(dim=2)
+        return scores.masked_fill(future, float("-inf")).topk(4, dim=-1).indices
+
+    gen = torch.Generator().manual_seed(0)
+    q, keys, w = torch.randn(1, 6, 2, 8, generator=gen), torch.randn(1, 10, 8, generator=gen), torch.rand(1, 6, 2)
+    future = torch.arange(10)[None, None, :] >= torch.tensor([3, 5, 6, 8, 9, 10])[None, :, None]
+    report, gm = _rewrite(select, [RadixTopK(any_ties=any_ties)], q, keys, w, future)
+    if not any_ties:
+        assert not report.matches
+        assert [n.reason for p in report.passes for n in p.near_misses][0].startswith("topk over the indexer's")
+        return
+    assert [m.details["source"] for m in report.matches] == ["indexer topk (kernel's ties)"]
+    scores = (F.relu(torch.matmul(q, keys.transpose(-1, -2).unsqueeze(1))) * 0.5 * w.unsqueeze(-1)).sum(dim=2)
+    want = scores.masked_fill(future, float("-inf")).sort(dim=-1, descending=True, stable=True).indices[..., :4]
+    assert (scores == 0).any() and torch.equal(gm(q, keys, w, future), want)
+
+
 # transformers' grouped experts, fused gate_up or separate gate and up: the router's top-k inside the function, as in
 # a model, or ids from a table (hash routing)
 LIMIT = 10.0
