@@ -100,7 +100,7 @@ class Fp32Linear(GraphPass):
             weight, transposed = (_widened(base), False) if base is not None else (_widened(right), True)
         if _rank(weight) != 2:
             raise NoMatch(f"the right operand has rank {_rank(weight)}, not a 2-D weight")
-        x = _widened(x)
+        activation, x = x, _widened(x)
         if bias is not None:
             if _rank(bias) != 1:
                 raise NoMatch(f"the bias has rank {_rank(bias)}, not one value per output column")
@@ -116,6 +116,11 @@ class Fp32Linear(GraphPass):
         if rows == 1:
             raise NoMatch("one row: a GEMV, where cuBLAS's fp32 GEMV reads the weight as fast (H200: output head "
                           "512 vs 542 us) with one launch")
+        if not isinstance(rows, int) and dtype(weight) == torch.float32 and (bias is None or dtype(bias) == torch.float32):
+            # rows unknown (an unbacked decode batch): at one row the kernel takes cuBLAS's GEMV, which would widen a
+            # bf16 activation eagerly (a copy kernel per product); the widened activation is fused by Inductor into
+            # the kernel that produces it, as in the static one-row graph (same values)
+            x = activation
         details = {"rows": rows if rows is not None else "unknown",
                    "out_features": w[0 if not transposed else 1] if w else "symbolic",
                    "in_features": w[1 if not transposed else 0] if w else "symbolic", "weight": weight.name,
