@@ -116,7 +116,8 @@ class Fp32Linear(GraphPass):
         if rows == 1:
             raise NoMatch("one row: a GEMV, where cuBLAS's fp32 GEMV reads the weight as fast (H200: output head "
                           "512 vs 542 us) with one launch")
-        if not isinstance(rows, int) and dtype(weight) == torch.float32 and (bias is None or dtype(bias) == torch.float32):
+        fp32_weights = dtype(weight) == torch.float32 and (bias is None or dtype(bias) == torch.float32)
+        if not isinstance(rows, int) and fp32_weights:
             # rows unknown (an unbacked decode batch): at one row the kernel takes cuBLAS's GEMV, which would widen a
             # bf16 activation eagerly (a copy kernel per product); the widened activation is fused by Inductor into
             # the kernel that produces it, as in the static one-row graph (same values)
