@@ -35,6 +35,7 @@ from .base import (
     dtype,
     is_op,
     only_user,
+    read_through_cast,
     shape,
     size_node,
     skip_noop_slices,
@@ -144,15 +145,6 @@ def _state_halves(node: fx.Node, ratio: int, width: int, what: str) -> fx.Node:
     return a
 
 
-def _read_as(total: fx.Node, kind: torch.dtype) -> None:
-    """The sum's users read it through a cast to ``kind`` (a no-op until the rewrite puts the op's fp32 output
-    there)."""
-    with total.graph.inserting_after(total):
-        cast = total.graph.call_function(aten._to_copy.default, (total,), {"dtype": kind})
-        cast.meta.update(total.meta)
-    total.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
-
-
 @dataclass
 class _Window:
     """A softmax-weighted sum found by ``analyze``: its score and value operands and the slot geometry."""
@@ -208,7 +200,7 @@ class CompressorFusion(GraphPass):
         if weights is not node:
             rewrite.details["rounding"] = f"weights and products in {dtype(weights)} (the op pools in fp32)"
         if dtype(total) != torch.float32:
-            _read_as(total, dtype(total))
+            read_through_cast(total)  # the op pools in fp32
         return rewrite
 
     def _prefill(self, w: _Window, ctx: RewriteContext) -> Rewrite:

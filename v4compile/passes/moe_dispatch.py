@@ -50,6 +50,7 @@ from .base import (
     dtype,
     is_op,
     locate,
+    read_through_cast,
     shape,
     traced_call,
     users_past_noop_slices,
@@ -296,12 +297,7 @@ def _analyze_grouped(down_mm: fx.Node, ctx: RewriteContext) -> Rewrite:
                 half.meta["val"] = projections[0].meta["val"][:, start:start + inter]
         else:
             w1, w3 = projections[:2]
-    # the op sums in fp32; transformers' sum is bf16: its users read the op's output through a cast (a no-op until
-    # the rewrite replaces the sum)
-    with end.graph.inserting_after(end):
-        cast = end.graph.call_function(aten._to_copy.default, (end,), {"dtype": dtype(end)})
-        cast.meta.update(end.meta)
-    end.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
+    read_through_cast(end)  # the op sums in fp32, transformers in bf16
     impl = ops.implementation_backend("moe_experts", ctx.backend)
     details = {"experts": n, "first": 0, "top_k": k, "format": "bf16", "pow2_scales": False, "swiglu_limit": limit,
                "tokens": sum_shape[0], "dim": dim, "inter_dim": inter,
