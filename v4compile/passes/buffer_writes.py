@@ -7,8 +7,8 @@ writes describe, with constant blocks where nothing was written:
 
 Exact: every element of the result is the element the last write put there or the fill. Taken only when every use
 of the buffer is a write (through slices and selects, steps of 1, static bounds) or a read after the last write,
-the writes do not overlap, and the boxes they cover split by straight cuts (a guillotine partition); anything else
-stays as written.
+and the boxes the writes cover split the buffer by straight cuts (a guillotine partition; overlapping writes never
+do); anything else stays as written.
 """
 
 from __future__ import annotations
@@ -79,16 +79,16 @@ def _rewrite(buffer: fx.Node, order: dict[fx.Node, int]) -> bool:
         return False
     last_write = max(order[w.copy] for w in writes)
     first_read = min(order[r] for r in reads)
-    if first_read < last_write or _overlap([w.box for w in writes]):
+    if first_read < last_write:
         return False
     if any(_mutated_between(w.source, order, order[w.copy], first_read) for w in writes):
         return False
-    region = [(0, d) for d in dims]
-    if not _splits(region, [w.box for w in writes]):
+    plan = _plan([(0, d) for d in dims], [w.box for w in writes])
+    if plan is None:
         return False
     graph = buffer.graph
     with graph.inserting_before(min(reads, key=order.__getitem__)):
-        built = _build(graph, buffer, region, writes)
+        built = _build(graph, buffer, plan, writes)
     for read in reads:
         read.replace_input_with(buffer, built)
     for w in writes:
@@ -178,11 +178,6 @@ def _mutated_between(source: fx.Node, order: dict[fx.Node, int], after: int, bef
     return False
 
 
-def _overlap(boxes: list[list[tuple[int, int]]]) -> bool:
-    return any(all(max(a[0], b[0]) < min(a[1], b[1]) for a, b in zip(p, q, strict=True))
-               for i, p in enumerate(boxes) for q in boxes[i + 1:])
-
-
 def _inside(box: list[tuple[int, int]], region: list[tuple[int, int]]) -> bool:
     return all(r[0] <= b[0] and b[1] <= r[1] for b, r in zip(box, region, strict=True))
 
@@ -196,33 +191,36 @@ def _cut(region: list[tuple[int, int]], boxes: list[list[tuple[int, int]]]) -> t
     return None
 
 
-def _halves(region: list[tuple[int, int]], d: int, c: int) -> tuple[list[tuple[int, int]], ...]:
-    return (region[:d] + [(region[d][0], c)] + region[d + 1:], region[:d] + [(c, region[d][1])] + region[d + 1:])
+_Plan = tuple
+"""A guillotine partition: ``("leaf", region)`` (one write's box, or a region nothing was written to) or
+``("cut", dim, (plan, plan))``."""
 
 
-def _splits(region: list[tuple[int, int]], boxes: list[list[tuple[int, int]]]) -> bool:
-    """Whether ``boxes`` (inside ``region``) form a guillotine partition of it with constant gaps."""
+def _plan(region: list[tuple[int, int]], boxes: list[list[tuple[int, int]]]) -> _Plan | None:
+    """How ``boxes`` (inside ``region``) split it by straight cuts, or None when they do not (overlapping boxes
+    never do: one of them straddles every cut)."""
     if not boxes or boxes == [region]:
-        return True
+        return ("leaf", region)
     cut = _cut(region, boxes)
     if cut is None:
-        return False
-    return all(_splits(half, [b for b in boxes if _inside(b, half)]) for half in _halves(region, *cut))
+        return None
+    d, c = cut
+    halves = (region[:d] + [(region[d][0], c)] + region[d + 1:], region[:d] + [(c, region[d][1])] + region[d + 1:])
+    parts = tuple(_plan(half, [b for b in boxes if _inside(b, half)]) for half in halves)
+    return None if None in parts else ("cut", d, parts)
 
 
-def _build(graph: fx.Graph, buffer: fx.Node, region: list[tuple[int, int]], writes: list[_Write]) -> fx.Node:
-    inside = [w for w in writes if _inside(w.box, region)]
-    if not inside:
-        val = buffer.meta["val"]
-        return traced_call(graph, aten.full.default, [hi - lo for lo, hi in region], constant_fill(buffer),
-                           fake_mode=getattr(writes[0].source.meta.get("val"), "fake_mode", None),
-                           dtype=val.dtype, device=val.device,
-                           pin_memory=False)
-    if len(inside) == 1 and inside[0].box == region:
-        return _source(graph, inside[0], buffer)
-    d, c = _cut(region, [w.box for w in inside])
-    parts = [_build(graph, buffer, half, inside) for half in _halves(region, d, c)]
-    return traced_call(graph, aten.cat.default, parts, d)
+def _build(graph: fx.Graph, buffer: fx.Node, plan: _Plan, writes: list[_Write]) -> fx.Node:
+    if plan[0] == "cut":
+        return traced_call(graph, aten.cat.default, [_build(graph, buffer, p, writes) for p in plan[2]], plan[1])
+    region = plan[1]
+    written = next((w for w in writes if w.box == region), None)
+    if written is not None:
+        return _source(graph, written, buffer)
+    val = buffer.meta["val"]
+    return traced_call(graph, aten.full.default, [hi - lo for lo, hi in region], constant_fill(buffer),
+                       fake_mode=getattr(writes[0].source.meta.get("val"), "fake_mode", None),
+                       dtype=val.dtype, device=val.device, pin_memory=False)
 
 
 def _source(graph: fx.Graph, write: _Write, buffer: fx.Node) -> fx.Node:
