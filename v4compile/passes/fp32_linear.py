@@ -17,10 +17,12 @@ benchmarks/fp32_gemm.py.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import batch_invariant
 from ..codegen import ops
@@ -61,6 +63,14 @@ def _name(dt: torch.dtype | None) -> str:
 def _rank(node: object) -> int | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return val.dim() if isinstance(val, torch.Tensor) else None
+
+
+def _may_be_one_row(node: fx.Node) -> bool:
+    """Whether the product's row count (a dynamic size) may be 1 at run time."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return True
+    return not statically_known_true(math.prod(val.shape[:-1]) >= 2)
 
 
 class Fp32Linear(GraphPass):
@@ -117,10 +127,11 @@ class Fp32Linear(GraphPass):
             raise NoMatch("one row: a GEMV, where cuBLAS's fp32 GEMV reads the weight as fast (H200: output head "
                           "512 vs 542 us) with one launch")
         fp32_weights = dtype(weight) == torch.float32 and (bias is None or dtype(bias) == torch.float32)
-        if not isinstance(rows, int) and fp32_weights:
-            # rows unknown (an unbacked decode batch): at one row the kernel takes cuBLAS's GEMV, which would widen a
-            # bf16 activation eagerly (a copy kernel per product); the widened activation is fused by Inductor into
-            # the kernel that produces it, as in the static one-row graph (same values)
+        if not isinstance(rows, int) and fp32_weights and _may_be_one_row(node):
+            # an unbacked decode batch: at one row the kernel takes cuBLAS's GEMV, which would widen a bf16
+            # activation eagerly (a copy kernel per product); the widened activation is fused by Inductor into the
+            # kernel that produces it, as in the static one-row graph (same values). Sizes known to be >= 2 (backed
+            # batches, prefill lengths) keep the narrow activation: the kernel widens it in registers
             x = activation
         details = {"rows": rows if rows is not None else "unknown",
                    "out_features": w[0 if not transposed else 1] if w else "symbolic",
