@@ -15,13 +15,19 @@ entries in place through the page table instead of a gathered, concatenated copy
 
 The indexer's dot product also matches as ``matmul(q, keys.transpose(-1, -2).unsqueeze(1))`` with the softmax
 scale applied to the relu'd dots (``relu(q . k) * c * w``, transformers' spelling): the op then takes ``w * c`` as
-its weights, an fp32 rounding apart. transformers' attention is dense (``softmax(q K^T * scale + mask)`` over every
-position with the sink appended, then ``matmul(probs, V)``): it has no entry index lists for the sparse kernel, and
-is reported as a near-miss saying so.
+its weights, an fp32 rounding apart.
+
+Dense attention (transformers' eager spelling: ``softmax(cat(q K^T * scale + mask, sink))[..., :N]``, perhaps shifted
+by its row maximum, then ``matmul(probs, V)``, with one KV head broadcast as keys and values) becomes the same kernel
+over the columns the additive mask lets each row read: ``attention_mask.py`` turns the mask's blocks into [B, S, K]
+index lists (a sliding band, a top-k's scattered ids, or a block's every column), so a C4 row reads window + top-k
+entries, not every position. transformers keeps the scores bf16 before the softmax; the kernel's fp32 scores are
+another rounding, within the pass's tolerance.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 
 import torch
@@ -31,7 +37,8 @@ from ..codegen import ops
 from ..codegen.tilelang.sparse_attention import kernel_name as tilelang_attention_kernel_name
 from ..codegen.triton.indexer_scores import kernel_name as indexer_kernel_name
 from ..codegen.triton.sparse_attention import kernel_name as attention_kernel_name
-from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, shape
+from . import attention_mask
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, shape, traced_call
 
 
 def attention_kernel(dim: int, impl: str, q: fx.Node, kv: fx.Node, paged: bool = False) -> str:
@@ -131,6 +138,75 @@ def _dense_probs(node: fx.Node) -> fx.Node | None:
     return left if is_op(left, aten.softmax, aten._softmax) else None
 
 
+def _unshifted(node: object) -> object:
+    """``x`` for ``x - rowmax(x)`` (a softmax's value does not change with a per-row shift), else ``node``."""
+    if not is_op(node, aten.sub):
+        return node
+    x, top = node.args[:2]
+    if isinstance(top, fx.Node) and top.target is operator.getitem and top.args[1] == 0 \
+            and is_op(top.args[0], aten.max):
+        reduce = top.args[0]
+        keep = reduce.args[2] if len(reduce.args) > 2 else reduce.kwargs.get("keepdim", False)
+        if reduce.args[0] is x and len(reduce.args) > 1 and reduce.args[1] % 4 == 3 and keep:
+            return x
+    return x if _is_row_max(top, x) else node
+
+
+def _scores_and_mask(scores: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+    """(the scaled product, the additive mask) of ``scaled + mask`` in either order; (scores, None) unmasked."""
+    if not is_op(scores, aten.add):
+        return scores, None
+    left, right = (_strip_casts(a) for a in scores.args[:2])
+    if is_op(left, aten.mul, aten.div) and is_op(_strip_casts(left.args[0]), aten.matmul):
+        return left, scores.args[1]
+    if is_op(right, aten.mul, aten.div) and is_op(_strip_casts(right.args[0]), aten.matmul):
+        return right, scores.args[0]
+    raise NoMatch("the scores are not a scaled q K^T plus a mask")
+
+
+def _constant_scale(scaled: fx.Node) -> float:
+    """The softmax scale of ``product * c`` or ``product / c``."""
+    if not is_op(scaled, aten.mul, aten.div) or not isinstance(scaled.args[1], (int, float)):
+        raise NoMatch("the scores are not scaled by a constant softmax scale")
+    return float(scaled.args[1]) if is_op(scaled, aten.mul) else 1.0 / float(scaled.args[1])
+
+
+def _one_head(node: object) -> fx.Node:
+    """kv [B, 1, N, d] or [B, N, d] when ``node`` [B, H, N, d] is it broadcast over the heads (``repeat_kv``: an
+    unsqueeze, expand and a reshape merging size-1 axes), else ``NoMatch``."""
+    chain = []
+    while is_op(node, aten.unsqueeze, aten.expand, aten.view, aten.reshape, aten._unsafe_view, aten.alias, aten.to,
+                aten._to_copy):
+        chain.append(node)
+        node = node.args[0]
+    source = shape(node)
+    if source is None or len(source) not in (3, 4) or len(source) == 4 and source[1] != 1:
+        raise NoMatch("the keys are not one KV head [B,1,N,d] broadcast to every head")
+    axes: list[int | None] = list(range(len(source)))
+    for step in reversed(chain):
+        before, after = shape(step.args[0]), shape(step)
+        if is_op(step, aten.unsqueeze):
+            axes.insert(step.args[1] % len(after), None)
+        elif is_op(step, aten.expand):
+            axes = [None] * (len(after) - len(before)) + axes
+            axes = [None if b == 1 and a != 1 else x for x, b, a in zip(axes, (1,) * (len(after) - len(before))
+                                                                     + tuple(before), after, strict=True)]
+        elif is_op(step, aten.view, aten.reshape, aten._unsafe_view):
+            kept_in = [i for i, s in enumerate(before) if s != 1]
+            kept_out = [i for i, s in enumerate(after) if s != 1]
+            if [before[i] for i in kept_in] != [after[i] for i in kept_out]:
+                raise NoMatch("the keys' reshape moves values (it is more than adding or dropping size-1 axes)")
+            moved: list[int | None] = [None] * len(after)
+            for i, o in zip(kept_in, kept_out, strict=True):
+                moved[o] = axes[i]
+            axes = moved
+    n = len(source)
+    if len(axes) != 4 or axes[2:] != [n - 2, n - 1] or axes[1] not in (None, 1 if n == 4 else None) \
+            or axes[0] not in (0, None if source[0] == 1 else 0):
+        raise NoMatch("the keys are not one KV head's [B,N,d] broadcast over the head axis")
+    return node
+
+
 def _single_value(node: fx.Node) -> fx.Node:
     """``node``'s only user when that is a dtype cast (the region's real output), else ``node``."""
     users = list(node.users)
@@ -145,7 +221,8 @@ class SparseAttention(GraphPass):
     name = "sparse_attention"
     summary = "replace gather + softmax-with-sink + weighted sum, and the indexer scoring, with fused kernels"
     matches = ("einsum('bshk,bskd->bshd', softmax(cat(masked einsum(q, gather(kv, index)) * scale, sink))[..., :k], "
-               "keys) and (relu(einsum('bshd,bnd->bshn', q, keys)) * w).sum(heads)")
+               "keys), matmul(softmax(cat(q K^T * scale + 0/-inf mask, sink))[..., :N], V) and "
+               "(relu(einsum('bshd,bnd->bshn', q, keys)) * w).sum(heads)")
     tolerance = 1e-2
 
     def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
@@ -159,9 +236,7 @@ class SparseAttention(GraphPass):
         if is_op(node, aten.matmul):
             if _transposed_keys(node) is not None:
                 return self._indexer(node, ctx)
-            raise NoMatch("dense attention: a softmax over every position of q K^T with an additive mask, then "
-                          "matmul(probs, V); the sparse kernel reads the entries given by [B,S,K] index lists, which "
-                          "this form does not have")
+            return self._dense(node, ctx)
         if node.args[0] == ATTENTION_VALUES:
             return self._attention(node, ctx)
         return self._indexer(node, ctx)
@@ -201,6 +276,60 @@ class SparseAttention(GraphPass):
         impl = ops.implementation_backend("sparse_attention", ctx.backend, q.meta.get("val"))
         return Rewrite(_single_value(out), ops.sparse_attention, (q, kv, sink, index, scale, ctx.backend),
                        attention_kernel(dims[-1], impl, q, kv), details)
+
+    def _dense(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
+        """``matmul(softmax(cat(q K^T * scale + mask, sink))[..., :N], V)`` with K = V one KV head broadcast to every
+        head (transformers' eager attention) -> the kernel over the entries the mask lets each row read."""
+        kept = _strip_casts(node.args[0])
+        while is_op(kept, aten.detach, aten.clone):
+            kept = _strip_casts(kept.args[0])
+        if not is_op(kept, aten.slice) or kept.args[1] % 4 != 3 or (kept.args[2] or 0) != 0:
+            raise NoMatch("dense attention without a sink: the probabilities are not a softmax's [..., :N] prefix "
+                          "(a sink column cut off)")
+        softmax = kept.args[0]
+        if not is_op(softmax, aten.softmax, aten._softmax) or softmax.args[1] % 4 != 3:
+            raise NoMatch("the value weights are not a softmax over the entries")
+        joined = _unshifted(softmax.args[0])
+        if not is_op(joined, aten.cat) or len(joined.args[0]) != 2 or joined.args[1] % 4 != 3:
+            raise NoMatch("the softmax has no sink column appended to the scores")
+        scores, sink_column = joined.args[0]
+        columns = (shape(scores) or (0,))[-1]
+        if columns != kept.args[3] and not (kept.args[3] == -1 and (shape(sink_column) or (0,))[-1] == 1):
+            raise NoMatch("the kept probabilities are not exactly the scores' columns")
+        sink = _strip_casts(self._sink_source(sink_column))
+        scaled, mask = _scores_and_mask(_strip_casts(scores))
+        scale = _constant_scale(scaled)
+        product = _strip_casts(scaled.args[0])
+        if not is_op(product, aten.matmul) or not is_op(product.args[1], aten.transpose) \
+                or sorted(d % 4 for d in product.args[1].args[1:3]) != [2, 3]:
+            raise NoMatch("the scores are not matmul(q, K.transpose(-2, -1))")
+        kv = _one_head(product.args[1].args[0])
+        if _one_head(node.args[1]) is not kv:
+            raise NoMatch("keys and values are not one KV head read as both (MQA with K = V)")
+        q = _strip_casts(product.args[0])
+        dims = shape(q)
+        if dims is None or len(dims) != 4 or not all(isinstance(d, int) for d in dims):
+            raise NoMatch("q is not a static [B,H,S,d]")
+        batch, heads, rows, dim = dims
+        _kernel_dim_ok(dim, "attention")
+        users = list(node.users)
+        if len(users) != 1 or not is_op(users[0], aten.transpose) \
+                or sorted(d % 4 for d in users[0].args[1:3]) != [1, 2]:
+            raise NoMatch("the attention output is not read as [B,S,H,d] (one transpose(1, 2))")
+        found = attention_mask.mask_blocks(mask, columns)
+        out = users[0]
+        graph = node.graph
+        with graph.inserting_before(out):
+            q = traced_call(graph, aten.transpose.int, q, 1, 2)
+            if len(shape(kv)) == 4:
+                kv = traced_call(graph, aten.select.int, kv, 1, 0)
+            index = attention_mask.entry_index(graph, found, q, batch, rows)
+        entries = sum(b.entries for b in found)
+        details = {"form": "dense masked attention", "heads": heads, "dim": dim, "entries": entries,
+                   "queries": rows, "paged": False, "mask": " + ".join(b.kind for b in found)}
+        impl = ops.implementation_backend("sparse_attention", ctx.backend, q.meta.get("val"))
+        return Rewrite(out, ops.sparse_attention, (q, kv, sink, index, scale, ctx.backend),
+                       attention_kernel(dim, impl, q, kv), details)
 
     def _official_softmax(self, node: fx.Node, weights: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
         """``einsum(exp(s - max), keys) / (sum(exp(s - max)) + exp(sink - max))`` -> (s, sink, the division)."""
