@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,11 @@ class OptimizedModel:
         attr = getattr(model, name)
         if name in (ENTRY_POINTS if self.regions is not None else WHOLE_GRAPH_ENTRIES) and name != "forward":
             return self._entry(name)
+        if name == "generate":
+            warnings.warn("generate() runs the model's own eager forward: v4compile compiles the optimized model's "
+                          "calls (a prefill: optimized(ids)), and a cache that grows by one token a step would "
+                          "compile a graph per token; to decode compiled, load the folder with v4compile.load and "
+                          "serve it with v4compile's engine", UserWarning, stacklevel=2)
         return attr
 
     def reports(self) -> list[GraphReport]:

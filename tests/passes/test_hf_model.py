@@ -130,6 +130,15 @@ def test_logits_stay_on_transformers_eager(runs: dict[str, object]) -> None:
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
 
 
+def test_generate_says_it_runs_transformers_eager_forward(folder: Path) -> None:
+    """transformers' generate() calls the model itself, not the optimized callable: the optimized model says so
+    (silently eager would look optimized), and still hands the method over."""
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    optimized = v4compile.optimize(hf, backend="reference", inductor=False)
+    with pytest.warns(UserWarning, match=r"generate\(\) runs the model's own eager forward"):
+        assert optimized.generate == hf.generate
+
+
 # ------------------------------------------------------------------------------------- hand-written spellings
 EPS = 1e-6
 
