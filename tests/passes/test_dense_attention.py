@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from v4compile.passes.manager import GraphReport, PassManager
@@ -89,8 +90,9 @@ def test_a_sliding_window_becomes_a_band_of_its_width(positions: bool) -> None:
 
 
 def test_window_plus_top_k_plus_causal_blocks_read_only_their_entries() -> None:
-    """The C4 layer (window + scattered top-k) and the C128 layer (window + a masked_fill causal block) of
-    transformers' V4: W + k and W + T entries a row, matching the dense softmax."""
+    """The C4 layer (window + scattered top-k) and the C128 layer (window + a masked_fill causal block, or zero
+    columns padded on where it has no block bias) of transformers' V4: W + k and W + T entries a row, matching the
+    dense softmax."""
     q, kv, sinks = _inputs(S + N_COMP)
     scores = torch.randn(B, S, N_COMP, generator=torch.Generator().manual_seed(3))
 
@@ -103,7 +105,12 @@ def test_window_plus_top_k_plus_causal_blocks_read_only_their_entries() -> None:
             torch.arange(N_COMP).view(1, 1, 1, -1) >= ready, float("-inf"))
         return _attend(q, kv, sinks, torch.cat([_window_mask(), causal], dim=-1))
 
+    def padded(q, kv, sinks, scores):  # transformers' mask when a layer has no block bias: zero columns appended
+        return _attend(q, kv, sinks, F.pad(_window_mask(), (0, N_COMP), value=0.0))
+
     inputs = (q, kv, sinks, scores)
+    report, gm = _rewrite(padded, *inputs)
+    _check(report, gm, padded(*inputs), inputs, WINDOW + N_COMP, f"band of {WINDOW} + every column of {N_COMP}")
     report, gm = _rewrite(c4, *inputs)
     _check(report, gm, c4(*inputs), inputs, WINDOW + TOP, f"band of {WINDOW} + top-{TOP}")
     report, gm = _rewrite(c128, *inputs)

@@ -64,7 +64,7 @@ class Affine:
 def _dims(node: object) -> tuple[int, ...]:
     dims = shape(node)
     if dims is None or not all(isinstance(d, int) for d in dims):
-        raise NoMatch(f"{node} has no static shape")
+        raise NoMatch(f"{node} has no static shape ({dims}): the index lists are built for static sizes")
     return dims
 
 
@@ -240,12 +240,26 @@ def blocks(mask: fx.Node) -> list[Block]:
     dims = _dims(mask)
     if is_op(mask, aten.cat) and (mask.args[1] if len(mask.args) > 1 else 0) % len(dims) == len(dims) - 1:
         return [b for part in mask.args[0] for b in blocks(part)]
-    if is_op(mask, aten.constant_pad_nd) and len(mask.args[1]) == 2 and mask.args[1][0] == 0 \
-            and (mask.args[2] if len(mask.args) > 2 else 0) == 0:
+    if _zero_pad(mask):
         return [*blocks(mask.args[0]), _everything(mask.args[1][1])]
     if len(dims) > 4 or len(dims) >= 3 and dims[-3] != 1:
         raise NoMatch(f"the mask {mask} differs per head (the kernel's entries are one list per query row)")
     return [_block(mask, dims[-1])]
+
+
+def _zero_pad(mask: fx.Node) -> bool:
+    """Whether ``mask`` is ``F.pad(x, (0, n), value=0)``: x, then n columns every row reads."""
+    if is_op(mask, aten.pad):
+        mode = mask.args[2] if len(mask.args) > 2 else mask.kwargs.get("mode", "constant")
+        value = mask.args[3] if len(mask.args) > 3 else mask.kwargs.get("value")
+        if mode != "constant" or value not in (None, 0):
+            return False
+    elif is_op(mask, aten.constant_pad_nd):
+        if (mask.args[2] if len(mask.args) > 2 else 0) != 0:
+            return False
+    else:
+        return False
+    return len(mask.args[1]) == 2 and mask.args[1][0] == 0 and isinstance(mask.args[1][1], int)
 
 
 def _block(mask: fx.Node, width: int) -> Block:

@@ -38,7 +38,7 @@ from ..codegen.tilelang.sparse_attention import kernel_name as tilelang_attentio
 from ..codegen.triton.indexer_scores import kernel_name as indexer_kernel_name
 from ..codegen.triton.sparse_attention import kernel_name as attention_kernel_name
 from . import attention_mask
-from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, shape, traced_call
+from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, shape, skip_noop_slices, traced_call
 
 
 def attention_kernel(dim: int, impl: str, q: fx.Node, kv: fx.Node, paged: bool = False) -> str:
@@ -175,10 +175,11 @@ def _one_head(node: object) -> fx.Node:
     """kv [B, 1, N, d] or [B, N, d] when ``node`` [B, H, N, d] is it broadcast over the heads (``repeat_kv``: an
     unsqueeze, expand and a reshape merging size-1 axes), else ``NoMatch``."""
     chain = []
+    node = skip_noop_slices(node)
     while is_op(node, aten.unsqueeze, aten.expand, aten.view, aten.reshape, aten._unsafe_view, aten.alias, aten.to,
                 aten._to_copy):
         chain.append(node)
-        node = node.args[0]
+        node = skip_noop_slices(node.args[0])
     source = shape(node)
     if source is None or len(source) not in (3, 4) or len(source) == 4 and source[1] != 1:
         raise NoMatch("the keys are not one KV head [B,1,N,d] broadcast to every head")
