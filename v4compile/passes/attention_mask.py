@@ -281,7 +281,7 @@ def _block(mask: fx.Node, width: int) -> Block:
     if is_op(mask, aten.slice) and mask.args[1] % len(_dims(mask)) == len(_dims(mask)) - 1 \
             and (mask.args[2] or 0) == 0:
         scattered = mask.args[0]
-    if is_op(scattered, aten.scatter, aten.scatter_) and len(scattered.args) >= 4:
+    if is_op(scattered, aten.scatter, aten.scatter_) and len(scattered.args) == 4 and not scattered.kwargs:
         base, dim, ids, value = scattered.args[:4]
         dims = _dims(base)
         if dim % len(dims) == len(dims) - 1 and value == 0 and _is_masked(constant_fill(base), dtype(base)) \
