@@ -9,6 +9,8 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from v4compile.passes.manager import GraphReport, PassManager
@@ -177,3 +179,34 @@ def test_what_is_not_the_kernels_math_is_a_near_miss_saying_why(variant: str, re
     assert not report.matches
     reasons = [n.reason for p in report.passes for n in p.near_misses]
     assert any(reason in r for r in reasons), reasons
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(2, 40), window=st.integers(1, 12), shift=st.integers(-3, 3), pad=st.integers(0, 6),
+       seed=st.integers(0, 2**16))
+def test_any_band_offset_and_padding_reads_what_the_dense_mask_reads(rows: int, window: int, shift: int, pad: int,
+                                                                     seed: int) -> None:
+    """Bands of any width, moved off the diagonal (``kv <= q + shift``), on any row count, with left padding: the
+    kernel's rows equal the dense softmax's (a band wider than the row count is read column by column)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2, rows, 16, generator=gen).bfloat16()
+    kv = torch.randn(1, 1, rows, 16, generator=gen).bfloat16()
+    sinks = torch.randn(2, generator=gen)
+    padding = torch.ones(1, rows, dtype=torch.long)
+    padding[0, :min(pad, rows - 1)] = 0
+
+    def layer(q, kv, sinks, padding):
+        q_idx, kv_idx = torch.arange(rows)[None, None, :, None], torch.arange(rows)[None, None, None, :]
+        allowed = (kv_idx > q_idx + shift - window) & (kv_idx <= q_idx + shift) & padding.bool()[:, None, None, :]
+        mask = torch.where(allowed, torch.zeros((), dtype=torch.bfloat16), LOWEST)
+        keys = kv.expand(1, 2, rows, 16)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * 0.25 + mask
+        logits = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(1, -1, rows, -1)], dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., :-1].to(kv.dtype)
+        return torch.matmul(probs, keys).transpose(1, 2)
+
+    report, gm = _rewrite(layer, q, kv, sinks, padding)
+    (match,) = report.matches
+    assert match.details["entries"] == (window if window < rows else rows)
+    got, want = gm(q, kv, sinks, padding).float(), layer(q, kv, sinks, padding).float()
+    assert (got - want).abs().max() / want.abs().max() < SparseAttention.tolerance
