@@ -150,7 +150,7 @@ def test_scattered_ids_that_may_repeat_read_the_whole_block() -> None:
 @pytest.mark.parametrize(("variant", "reason"), [
     ("bias", "is not 0 where read"),
     ("per head", "differs per head"),
-    ("no sink", "dense attention without a sink"),
+    ("no sink", "a sink column cut off"),
     ("separate values", "keys and values are not one KV head"),
 ])
 def test_what_is_not_the_kernels_math_is_a_near_miss_saying_why(variant: str, reason: str) -> None:
@@ -209,4 +209,5 @@ def test_any_band_offset_and_padding_reads_what_the_dense_mask_reads(rows: int, 
     (match,) = report.matches
     assert match.details["entries"] == (window if window < rows else rows)
     got, want = gm(q, kv, sinks, padding).float(), layer(q, kv, sinks, padding).float()
-    assert (got - want).abs().max() / want.abs().max() < SparseAttention.tolerance
+    # rows that read nothing attend to the sink alone: 0, in both
+    assert (got - want).abs().max() <= SparseAttention.tolerance * want.abs().max()

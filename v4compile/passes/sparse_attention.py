@@ -284,20 +284,8 @@ class SparseAttention(GraphPass):
         kept = _strip_casts(node.args[0])
         while is_op(kept, aten.detach, aten.clone):
             kept = _strip_casts(kept.args[0])
-        if not is_op(kept, aten.slice) or kept.args[1] % 4 != 3 or (kept.args[2] or 0) != 0:
-            raise NoMatch("dense attention without a sink: the probabilities are not a softmax's [..., :N] prefix "
-                          "(a sink column cut off)")
-        softmax = kept.args[0]
-        if not is_op(softmax, aten.softmax, aten._softmax) or softmax.args[1] % 4 != 3:
-            raise NoMatch("the value weights are not a softmax over the entries")
-        joined = _unshifted(softmax.args[0])
-        if not is_op(joined, aten.cat) or len(joined.args[0]) != 2 or joined.args[1] % 4 != 3:
-            raise NoMatch("the softmax has no sink column appended to the scores")
-        scores, sink_column = joined.args[0]
+        scores, sink, _ = self._concatenated_softmax(node, kept)
         columns = (shape(scores) or (0,))[-1]
-        if columns != kept.args[3] and not (kept.args[3] == -1 and (shape(sink_column) or (0,))[-1] == 1):
-            raise NoMatch("the kept probabilities are not exactly the scores' columns")
-        sink = _strip_casts(self._sink_source(sink_column))
         scaled, mask = _scores_and_mask(_strip_casts(scores))
         scale = _constant_scale(scaled)
         product = _strip_casts(scaled.args[0])
@@ -358,18 +346,18 @@ class SparseAttention(GraphPass):
         return masked, _strip_casts(self._sink_source(sink_term.args[0].args[0])), division
 
     def _concatenated_softmax(self, node: fx.Node, probs: object) -> tuple[fx.Node, fx.Node, fx.Node]:
-        """``softmax(cat(s, sink))[..., :k]`` -> (s, sink, the value product)."""
+        """``softmax(cat(s, sink) [- rowmax])[..., :k]`` -> (s, sink, the value product)."""
         if not is_op(probs, aten.slice) or probs.args[1] % 4 != 3 or (probs.args[2] or 0) != 0:
             raise NoMatch("the value weights are neither exp(scores - max) (a sink in the denominator) nor the "
                           "[..., :k] prefix of a softmax (a sink column cut off)")
         softmax = probs.args[0]
         if not is_op(softmax, aten.softmax, aten._softmax) or softmax.args[1] % 4 != 3:
             raise NoMatch("the value weights are not a softmax over the entries")
-        joined = softmax.args[0]
+        joined = _unshifted(softmax.args[0])
         if not is_op(joined, aten.cat) or len(joined.args[0]) != 2 or joined.args[1] % 4 != 3:
             raise NoMatch("the softmax has no sink column appended to the scores")
         masked, sink_column = joined.args[0]
-        if (shape(masked) or (0,))[-1] != int(probs.args[3]):
+        if (shape(masked) or (0,))[-1] != (shape(probs) or (None,))[-1]:
             raise NoMatch("the kept probabilities are not exactly the scores' columns")
         return masked, _strip_casts(self._sink_source(sink_column)), node
 
