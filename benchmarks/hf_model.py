@@ -17,11 +17,11 @@ import argparse
 import json
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from headline import timed
 
 import v4compile
 
@@ -72,26 +72,6 @@ def step_flops(model: torch.nn.Module, tokens: int) -> float:
     return tokens * (2 * params + attention)
 
 
-def median_ms(fn: Callable[[], object], cuda: bool, repeats: int) -> float:
-    """Median wall time of ``fn`` after two warm-up calls (CUDA events on the GPU)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def row(model: torch.nn.Module, tokens: int, args: argparse.Namespace) -> dict[str, object]:
     """One prompt length: each column's median ms (or why it did not run), compile seconds, the optimized model's
     kernels and its logits against eager."""
@@ -111,7 +91,7 @@ def row(model: torch.nn.Module, tokens: int, args: argparse.Namespace) -> dict[s
                 if cuda:
                     torch.cuda.synchronize()
                 out[f"{name} first call s"] = round(time.perf_counter() - t, 1)
-                out[f"{name} ms"] = median_ms(lambda f=fn: f(ids, use_cache=False), cuda, args.repeats)
+                out[f"{name} ms"] = timed(lambda f=fn: f(ids, use_cache=False), args.repeats, cuda)
             if name == "v4compile":
                 kernels = Counter(m.kernel.split(".")[0] for r in fn.reports() for m in r.matches)
                 out["kernels"] = dict(kernels)
