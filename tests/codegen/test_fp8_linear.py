@@ -63,6 +63,25 @@ def test_k_splits_and_grouped_tiles_sum_what_one_program_sums(split: int, group:
     assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.bfloat16())
 
 
+@pytest.mark.parametrize(("pow2", "fp8_dot"), [(True, 1), (True, 0), (False, 0)])
+@pytest.mark.parametrize(("rows", "split"), [(1, 1), (5, 3), (16, 2)])
+def test_quantizing_inside_the_gemm_changes_no_bit(rows: int, split: int, pow2: bool, fp8_dot: int) -> None:
+    """Decode's one launch (``QUANT``: the GEMM quantizes its own activation blocks, a tile's last K range adds the
+    splits) against the separate quantization and the same summation order: bitwise equal, fp32 and bf16 out."""
+    layer = fp8_layer(640, 150, pow2, seed=rows)
+    gen = torch.Generator().manual_seed(split)
+    x = (torch.randn(rows, 640, generator=gen) * torch.exp2(torch.randint(-20, 12, (rows, 5, 1), generator=gen))
+         .repeat_interleave(128, 1).flatten(1)).bfloat16()
+    x[0, 128:256] *= 1e-9  # a block under the amax floor
+    config = launch_config(rows, 150, 640, False) | {"SPLIT": split, "BM": 16, "BN": 32, "FP8_DOT": fp8_dot}
+    for out_dtype in (torch.float32, torch.bfloat16):
+        apart = fp8_linear(x, layer.weight, layer.scale, pow2, out_dtype, config=config | {"QUANT": 0})
+        fused = fp8_linear(x, layer.weight, layer.scale, pow2, out_dtype, config=config | {"QUANT": 1})
+        assert torch.equal(fused, apart)
+    expected = layer.unrounded(x)
+    assert (apart.float() - expected).abs().max() <= 1e-2 * expected.abs().max()
+
+
 def test_bf16_output_is_the_fp32_output_rounded_once() -> None:
     layer = fp8_layer(256, 200, False)
     x = (torch.randn(9, 256, generator=torch.Generator().manual_seed(4)) * 4).bfloat16()

@@ -78,3 +78,21 @@ def test_replays_in_a_cuda_graph() -> None:
     x.copy_(torch.randn(16, 4096, device="cuda").bfloat16())
     graph.replay()
     assert rel_err(out, layer.unrounded(x)) < 5e-4
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 32768, 1024), (7, 1024, 4096), (16, 4096, 2048), (64, 8192, 4096)])
+def test_decode_quantizes_inside_the_gemm_bit_for_bit(rows: int, n: int, k: int, pow2: bool) -> None:
+    """Decode's one launch (the GEMM quantizes its own blocks through the hardware's e4m3 conversion, a tile's last
+    K range adds the splits) against the separate quantization kernel, on blocks of very different magnitudes
+    (subnormal e4m3 codes, the amax floor): bitwise equal, twice in a row (the tile counters are left at 0)."""
+    layer = fp8_layer(k, n, pow2, seed=rows)
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    magnitude = torch.exp2(torch.randint(-30, 14, (rows, k // 128, 1), generator=gen, device="cuda").float())
+    x = (torch.randn(rows, k // 128, 128, generator=gen, device="cuda") * magnitude).flatten(1).bfloat16()
+    config = launch_config(rows, n, k, True)
+    assert config["QUANT"] == 1
+    for out_dtype in (torch.float32, torch.bfloat16):
+        apart = fp8_linear(x, layer.weight, layer.scale, pow2, out_dtype, config=config | {"QUANT": 0})
+        for _ in range(2):
+            assert torch.equal(fp8_linear(x, layer.weight, layer.scale, pow2, out_dtype), apart)

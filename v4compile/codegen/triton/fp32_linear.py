@@ -10,9 +10,9 @@ cuBLAS's fp32 one (about 5e-7 of max|y| against its 3e-6 at K 4096), not bitwise
 sum in the same order.
 
 Operands are read in their stored dtype and widened in registers (a bf16 router weight or activation cast to fp32
-by the model reads half the bytes; the widening is exact). Two launches when K is split (decode, few column
-tiles): ``fp32_mm`` writes each K range's partial product, ``fp32_split_sum`` adds them in split order; the split
-depends on N and K only, never on the row count.
+by the model reads half the bytes; the widening is exact). When K is split (decode, few column tiles), each
+K range's program stores its partial product and the last of an output tile's programs to finish adds them in split
+order (one launch; a per-tile counter finds the last); the split depends on N and K only, never on the row count.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import triton
 
 from ..registry import REGISTRY
 from .compressor import triton_next_pow2
-from .launch import GROUPED_TILE, SPLIT_SUM, load_triton_module, lowered_text
+from .launch import GROUPED_TILE, SPLIT_LAST, load_triton_module, lowered_text, split_counters
 
 SMS = 132
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -32,13 +32,14 @@ import triton
 import triton.language as tl
 
 PRECISION = tl.constexpr("{precision}")
-''' + GROUPED_TILE + SPLIT_SUM + '''
+''' + GROUPED_TILE + SPLIT_LAST + '''
 
 
 @triton.jit
-def fp32_mm(X, W, B, OUT, M, N, K, s_xm, s_xk, s_wn, s_wk, s_o, s_part, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
-            BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr):
-    # axis 0: the output tile in grouped order; axis 1: the K split, each a fixed range of BK-wide blocks
+def fp32_mm(X, W, B, OUT, PARTS, COUNTER, M, N, K, s_xm, s_xk, s_wn, s_wk, s_o, s_part, HAS_BIAS: tl.constexpr,
+            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr):
+    # axis 0: the output tile in grouped order; axis 1: the K split, each a fixed range of BK-wide blocks, whose
+    # last program to finish adds the splits' partial products in split order
     m0, n0 = _grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP)
     m = m0 + tl.arange(0, BM)
     n = n0 + tl.arange(0, BN)
@@ -58,20 +59,21 @@ def fp32_mm(X, W, B, OUT, M, N, K, s_xm, s_xk, s_wn, s_wk, s_o, s_part, HAS_BIAS
             acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
         else:
             acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-    if HAS_BIAS and SPLIT == 1:
-        acc += tl.load(B + wn).to(tl.float32)[None, :]
-    out = OUT + tl.program_id(1) * s_part + m[:, None] * s_o + n[None, :]
-    tl.store(out, acc, mask=(m < M)[:, None] & (n < N)[None, :])
+    at = m[:, None] * s_o + n[None, :]
+    mask = (m < M)[:, None] & (n < N)[None, :]
+    if SPLIT == 1:
+        _store_fp32(OUT, at, mask, acc, B, wn, HAS_BIAS)
+    else:
+        tl.store(PARTS + tl.program_id(1) * s_part + at, acc, mask=mask)
+        if _last_split(COUNTER, tl.program_id(0), SPLIT):
+            _store_fp32(OUT, at, mask, _sum_splits(PARTS, at, mask, s_part, SPLIT), B, wn, HAS_BIAS)
 
 
 @triton.jit
-def fp32_split_sum(PARTS, B, OUT, total, N, s_part, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                   BE: tl.constexpr):
-    # the K splits' partial products added in split order (the same order for every row and batch), then the bias
-    e, em, acc = _split_sum(PARTS, total, s_part, SPLIT, BE)
+def _store_fp32(OUT, at, mask, acc, B, wn, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
-        acc += tl.load(B + e % N, mask=em, other=0.0).to(tl.float32)
-    tl.store(OUT + e, acc, mask=em)
+        acc += tl.load(B + wn).to(tl.float32)[None, :]
+    tl.store(OUT + at, acc, mask=mask)
 '''
 
 
@@ -146,15 +148,13 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     parts = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     b = bias if bias is not None else out
     tiles = triton.cdiv(m, config["BM"]) * triton.cdiv(n, config["BN"])
+    counters = split_counters(x.device, tiles) if split > 1 else out
 
     def run() -> None:
         module.fp32_mm[(tiles, split)](
-            rows, weight, b, parts, m, n, k, rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), n,
-            m * n, HAS_BIAS=bias is not None, BM=config["BM"], BN=config["BN"], BK=config["BK"],
+            rows, weight, b, out, parts, counters, m, n, k, rows.stride(0), rows.stride(1), weight.stride(0),
+            weight.stride(1), n, m * n, HAS_BIAS=bias is not None, BM=config["BM"], BN=config["BN"], BK=config["BK"],
             GROUP=config["GROUP"], SPLIT=split, num_warps=config["num_warps"], num_stages=config["num_stages"])
-        if split > 1:
-            module.fp32_split_sum[(triton.cdiv(m * n, 1024),)](parts, b, out, m * n, n, m * n,
-                                                               HAS_BIAS=bias is not None, SPLIT=split, BE=1024)
 
     if m and n:
         REGISTRY.launch(kernel_name(), run)

@@ -1,6 +1,6 @@
 """The model's FP8 ``Linear`` in Triton: e4m3 activations times e4m3 weights read as stored, fp32 per K block.
 
-Two launches (three for split decode GEMMs):
+Two launches for prefill rows, one while decoding:
 1. ``fp8_quant``: each row's 128-wide K blocks to e4m3 codes (one byte each) and one fp32 scale per block,
    exactly as ``quant.fp8_simulate`` (amax floored at 1e-4, over 448 correctly rounded, rounded up to a power of
    two when asked, nearest-even rounding by integer arithmetic).
@@ -17,8 +17,12 @@ Two launches (three for split decode GEMMs):
    dot on the GPU, and under the CPU interpreter fp32 operands with a broadcast product; ``FP8_DOT`` runs there
    too when asked (the interpreter's FP8 dot is exact). Operands load unmasked as e4m3 tensors (the codes padded
    to whole row tiles, weight rows past N clamped), which is what lets Triton pipeline them into the FP8 dot.
-3. ``fp8_split_sum`` (decode, K of 16+ blocks): ``fp8_gemm`` splits K into ranges and this sums their partial
-   products in split order; the split depends only on K, so a row's result does not depend on the batch.
+3. While decoding (64 rows or fewer) ``fp8_gemm`` does step 1 itself (``QUANT``): each program quantizes the
+   bf16 rows of its K blocks, the same codes and scales (on the GPU through the hardware's nearest-even saturating
+   e4m3 conversion, ``HW_CAST``; recomputed per column tile, which costs less than the launch it saves). A long K
+   (16+ blocks) is split into ranges; each range's program stores its partial product and the tile's last one to
+   finish adds them in split order (a per-tile counter finds it). The split depends only on K, so a row's result
+   does not depend on the batch.
 Prefill rows with K of 2048+ and bf16 output replace step 2 by torch's block-scaled cuBLAS GEMM where torch and
 the GPU have it (``blockwise_scaled_mm``): the same e4m3 codes and scales, the same per-block fp32 promotion.
 
@@ -38,7 +42,7 @@ import triton
 from ..registry import REGISTRY
 from .compressor import triton_next_pow2
 from .formats import FORMATS_SOURCE
-from .launch import GROUPED_TILE, ROUND_BF16, SPLIT_SUM, load_triton_module, lowered_text
+from .launch import GROUPED_TILE, ROUND_BF16, SPLIT_LAST, load_triton_module, lowered_text, split_counters
 
 BLOCK = 128
 SMS = 132
@@ -48,7 +52,7 @@ import triton
 import triton.language as tl
 
 DOT = tl.{dot}
-''' + ROUND_BF16 + GROUPED_TILE + SPLIT_SUM + FORMATS_SOURCE + '''
+''' + ROUND_BF16 + GROUPED_TILE + SPLIT_LAST + FORMATS_SOURCE + '''
 
 
 @triton.jit
@@ -65,10 +69,34 @@ def fp8_quant(X, CODES, SCALES, rows, s_x, s_c, s_s, s_sk, POW2: tl.constexpr, B
 
 
 @triton.jit
-def fp8_gemm(CODES, SCALES, W, S, OUT, M, N, K, s_c, s_s, s_w, s_ws, s_o, s_part, POW2: tl.constexpr,
-             FP8_DOT: tl.constexpr, TL_DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-             GROUP: tl.constexpr, SPLIT: tl.constexpr, OUT_BF16: tl.constexpr):
-    # axis 0: the output tile in grouped order; axis 1: the K split, each a fixed range of K blocks
+def _quantized_block(X, m, mm, k, s_x, POW2: tl.constexpr, FP8_DOT: tl.constexpr, HW_CAST: tl.constexpr):
+    # rows m of X's 128-wide K block k quantized as fp8_quant does: (e4m3 codes, their scales) for an FP8 dot, else
+    # (the codes' values times the scale, as fp8_gemm's bf16 dot takes them, the scales). HW_CAST: the GPU's
+    # nearest-even saturating e4m3 conversion in place of the integer rounding (same codes, a few instructions)
+    x = tl.load(X + m[:, None] * s_x + k[None, :], mask=mm[:, None], other=0.0).to(tl.float32)
+    sa = _act_scale(x, POW2)
+    if POW2:
+        v = x * (1.0 / sa)[:, None]
+    else:
+        v = tl.math.div_rn(x, sa[:, None])
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    if FP8_DOT:
+        if HW_CAST:
+            codes = v.to(tl.float8e4nv)
+        else:
+            codes = _e4m3_code(_round_e4m3(v)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        return codes, sa
+    return _round_e4m3(v) * sa[:, None], sa
+
+
+@triton.jit
+def fp8_gemm(X, CODES, SCALES, W, S, OUT, PARTS, COUNTER, M, N, K, s_x, s_c, s_s, s_w, s_ws, s_o, s_part,
+             POW2: tl.constexpr, FP8_DOT: tl.constexpr, TL_DOT: tl.constexpr, QUANT: tl.constexpr,
+             HW_CAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
+             OUT_BF16: tl.constexpr):
+    # axis 0: the output tile in grouped order; axis 1: the K split, each a fixed range of K blocks, whose last
+    # program to finish adds the splits' partial products in split order. QUANT: the activation is X's bf16 rows,
+    # quantized here block by block (decode: no fp8_quant launch), else fp8_quant's CODES and SCALES
     m0, n0 = _grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP)
     m = m0 + tl.arange(0, BM)
     n = n0 + tl.arange(0, BN)
@@ -84,37 +112,42 @@ def fp8_gemm(CODES, SCALES, W, S, OUT, M, N, K, s_c, s_s, s_w, s_ws, s_o, s_part
         k = k0 + j
         # unmasked loads (CODES and SCALES hold whole row tiles, weight rows past N repeat row N-1): what is
         # computed past M or N is never stored
-        codes = tl.load(CODES + m[:, None] * s_c + k[None, :])
-        sa = tl.load(SCALES + m * s_s + k0 // 128)
         w = tl.load(W + wn[:, None] * s_w + k[None, :])
         # a column tile lies in one 128-row weight block: one scale per K block
         sw = _e8m0(tl.load(S + (n0 // 128) * s_ws + k0 // 128))
-        if FP8_DOT:
-            acc += tl.dot(codes, tl.trans(w)) * (sa * sw)[:, None]
+        if QUANT:
+            a, sa = _quantized_block(X, m, mm, k, s_x, POW2, FP8_DOT, HW_CAST)
         else:
-            av = _e4m3(codes.to(tl.uint8, bitcast=True)) * sa[:, None]
+            a = tl.load(CODES + m[:, None] * s_c + k[None, :])
+            sa = tl.load(SCALES + m * s_s + k0 // 128)
+            if not FP8_DOT:
+                a = _e4m3(a.to(tl.uint8, bitcast=True)) * sa[:, None]
+        if FP8_DOT:
+            acc += tl.dot(a, tl.trans(w)) * (sa * sw)[:, None]
+        else:
             if not POW2:
-                av = _round_bf16(av)
+                a = _round_bf16(a)
             wv = _e4m3(w.to(tl.uint8, bitcast=True)) * sw
             if TL_DOT:
-                acc += tl.dot(av.to(DOT), tl.trans(wv.to(DOT)), input_precision="ieee")
+                acc += tl.dot(a.to(DOT), tl.trans(wv.to(DOT)), input_precision="ieee")
             else:
-                acc += tl.sum(av[:, None, :] * wv[None, :, :], axis=2)
-    out = OUT + tl.program_id(1) * s_part + m[:, None] * s_o + n[None, :]
-    if OUT_BF16:
-        tl.store(out, _round_bf16(acc).to(tl.bfloat16), mask=mm[:, None] & nm[None, :])
+                acc += tl.sum(a[:, None, :] * wv[None, :, :], axis=2)
+    at = m[:, None] * s_o + n[None, :]
+    mask = mm[:, None] & nm[None, :]
+    if SPLIT == 1:
+        _store_out(OUT, at, mask, acc, OUT_BF16)
     else:
-        tl.store(out, acc, mask=mm[:, None] & nm[None, :])
+        tl.store(PARTS + tl.program_id(1) * s_part + at, acc, mask=mask)
+        if _last_split(COUNTER, tl.program_id(0), SPLIT):
+            _store_out(OUT, at, mask, _sum_splits(PARTS, at, mask, s_part, SPLIT), OUT_BF16)
 
 
 @triton.jit
-def fp8_split_sum(PARTS, OUT, total, s_part, SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, BE: tl.constexpr):
-    # the K splits' partial products summed in split order (the same order for every row and batch)
-    e, em, acc = _split_sum(PARTS, total, s_part, SPLIT, BE)
+def _store_out(OUT, at, mask, acc, OUT_BF16: tl.constexpr):
     if OUT_BF16:
-        tl.store(OUT + e, _round_bf16(acc).to(tl.bfloat16), mask=em)
+        tl.store(OUT + at, _round_bf16(acc).to(tl.bfloat16), mask=mask)
     else:
-        tl.store(OUT + e, acc, mask=em)
+        tl.store(OUT + at, acc, mask=mask)
 '''
 
 
@@ -125,13 +158,15 @@ def kernel_name() -> str:
 
 def launch_config(m: int, n: int, k: int, cuda: bool) -> dict[str, int]:
     """Row tiles of 16 (the tensor cores' minimum) while decoding and 128 for prefill. Decode reads the weight
-    once and is latency-bound, so a long K (16+ blocks) is split into up to eight ranges summed afterwards in
-    a fixed order; the split depends only on K, so a row's sums do not depend on the batch. Prefill walks eight
+    once and is latency-bound: one launch that quantizes its own activation blocks (``QUANT``), and a long K (16+
+    blocks) split into up to eight ranges summed by each tile's last program in a fixed order; the split depends
+    only on K, so a row's sums do not depend on the batch. Prefill walks eight
     row tiles per band of column tiles, or (``CUBLAS``, K of 2048+, bf16 out, power-of-two scales) quantizes
     the activation here and multiplies in torch's block-scaled cuBLAS GEMM, bitwise equal to ours and 1.2-3.2x
     faster at the slice's prefill shapes (8192 rows on the H100: wkv 110 -> 35 us, wq_a 138 -> 59, wo_b 603 ->
     494; at K 1024, wq_b, ours was 4% faster). FP8 tensor-core dots where the scales allow. From H200 and H100
-    sweeps (NOTES.md); the interpreter gets few, large programs."""
+    sweeps (NOTES.md); the interpreter gets few, large programs and the separate quantization (``QUANT`` there
+    repeats the integer rounding per column tile; tests run it explicitly)."""
     if not cuda:
         return {"BM": min(64, triton_next_pow2(max(m, 1))), "BN": min(64, triton_next_pow2(n)), "BR": 64,
                 "num_warps": 4, "num_stages": 1, "FP8_DOT": 0, "GROUP": 1, "SPLIT": 1}
@@ -142,7 +177,7 @@ def launch_config(m: int, n: int, k: int, cuda: bool) -> dict[str, int]:
     split = 1 if blocks < 16 else min(8, triton_next_pow2(blocks // 4 + 1) // 2)
     wide = m > 16 and triton.cdiv(n, 128) >= SMS
     return {"BM": 16 if m <= 16 else 64, "BN": 128 if wide else 64, "BR": 16, "num_warps": 4,
-            "num_stages": 3 if wide else 4, "FP8_DOT": 1, "GROUP": 1, "SPLIT": split}
+            "num_stages": 3 if wide else 4, "FP8_DOT": 1, "GROUP": 1, "SPLIT": split, "QUANT": 1}
 
 
 @functools.cache
@@ -204,8 +239,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2:
     if BLOCK % config["BN"]:
         raise ValueError(f"fp8_linear: column tile {config['BN']} must divide the weight block {BLOCK}")
     cublas = blockwise_scaled_mm() if config.get("CUBLAS") and pow2 and bf16 and n % BLOCK == 0 else None
+    quant = bool(config.get("QUANT"))
     row_tile = 16 if cublas else config["BM"]  # cuBLAS takes whole 16-row tiles
-    padded = triton.cdiv(m, row_tile) * row_tile
+    padded = 0 if quant else triton.cdiv(m, row_tile) * row_tile
     codes = torch.empty(padded, k, dtype=torch.float8_e4m3fn, device=x.device)
     # cuBLAS takes the activation scales M-major
     scales = (torch.empty(k // BLOCK, padded, dtype=torch.float32, device=x.device).t() if cublas else
@@ -214,23 +250,22 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2:
     parts = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     w, s = weight.contiguous(), scale.contiguous().view(torch.uint8)
     tiles = triton.cdiv(m, config["BM"]) * triton.cdiv(n, config["BN"])
+    counters = split_counters(x.device, tiles) if split > 1 else out
 
     def run() -> None:
         nonlocal out
-        module.fp8_quant[(triton.cdiv(m, config["BR"]), k // BLOCK)](
-            rows, codes, scales, m, rows.stride(0), codes.stride(0), scales.stride(0), scales.stride(1),
-            POW2=pow2, BR=config["BR"])
+        if not quant:
+            module.fp8_quant[(triton.cdiv(m, config["BR"]), k // BLOCK)](
+                rows, codes, scales, m, rows.stride(0), codes.stride(0), scales.stride(0), scales.stride(1),
+                POW2=pow2, BR=config["BR"])
         if cublas:
             out = cublas(codes, scales, w, scale, out_dtype)[:m]
             return
         module.fp8_gemm[(tiles, split)](
-            codes, scales, w, s, parts, m, n, k, codes.stride(0), scales.stride(0), w.stride(0), s.stride(0),
-            n, m * n, POW2=pow2, FP8_DOT=pow2 and bool(config["FP8_DOT"]), TL_DOT=cuda, BM=config["BM"],
-            BN=config["BN"], GROUP=config["GROUP"], SPLIT=split, OUT_BF16=bf16 and split == 1,
-            num_warps=config["num_warps"], num_stages=config["num_stages"])
-        if split > 1:
-            module.fp8_split_sum[(triton.cdiv(m * n, 1024),)](parts, out, m * n, m * n, SPLIT=split,
-                                                               OUT_BF16=bf16, BE=1024)
+            rows, codes, scales, w, s, out, parts, counters, m, n, k, rows.stride(0), codes.stride(0),
+            scales.stride(0), w.stride(0), s.stride(0), n, m * n, POW2=pow2, FP8_DOT=pow2 and bool(config["FP8_DOT"]),
+            TL_DOT=cuda, QUANT=quant, HW_CAST=cuda, BM=config["BM"], BN=config["BN"], GROUP=config["GROUP"],
+            SPLIT=split, OUT_BF16=bf16, num_warps=config["num_warps"], num_stages=config["num_stages"])
 
     if m:
         REGISTRY.launch(kernel_name(), run)

@@ -1,10 +1,13 @@
 """Loading generated Triton sources (compiled on CUDA, through the Triton interpreter on CPU), and the source
-fragments several kernels share: bf16 rounding, grouped output tiles, the sum of a split-K GEMM's parts."""
+fragments several kernels share: bf16 rounding, grouped output tiles, the sum of a split-K GEMM's parts in its
+last program (with the tile counters that finds it)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
+
+import torch
 
 from ..registry import KernelBuildError, load_module
 
@@ -31,18 +34,26 @@ def _grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.const
     return (first + (pid % band) % rows_here) * BM, ((pid % band) // rows_here) * BN
 '''
 
-SPLIT_SUM = '''
+SPLIT_LAST = '''
 
 @triton.jit
-def _split_sum(PARTS, total, s_part, SPLIT: tl.constexpr, BE: tl.constexpr):
-    # a split-K GEMM's second launch: elements e of program_id(0)'s block of the output, whether each exists, and
-    # their K splits' partial products (SPLIT planes s_part apart) added in split order, the same for every row
-    e = tl.program_id(0) * BE + tl.arange(0, BE)
-    em = e < total
-    acc = tl.load(PARTS + e, mask=em, other=0.0)
+def _last_split(COUNTER, tile, SPLIT: tl.constexpr):
+    # whether this program is the last of its output tile's SPLIT K ranges to store its partial product (all of
+    # them are then in memory); the last one puts the tile's counter back to 0 for the next launch
+    last = tl.atomic_add(COUNTER + tile, 1, sem="acq_rel") == SPLIT - 1
+    if last:
+        tl.store(COUNTER + tile, 0)
+    return last
+
+
+@triton.jit
+def _sum_splits(PARTS, at, mask, s_part, SPLIT: tl.constexpr):
+    # the K ranges' partial products at offsets ``at`` added in split order (the same order for every row and
+    # batch, whichever program finished last); read through L2, where the other programs' stores are
+    acc = tl.load(PARTS + at, mask=mask, other=0.0, cache_modifier=".cg")
     for s in tl.static_range(1, SPLIT):
-        acc += tl.load(PARTS + s * s_part + e, mask=em, other=0.0)
-    return e, em, acc
+        acc += tl.load(PARTS + s * s_part + at, mask=mask, other=0.0, cache_modifier=".cg")
+    return acc
 '''
 
 
@@ -54,6 +65,26 @@ def load_triton_module(path: Path, interpret: bool) -> ModuleType:
         raise KernelBuildError("CPU tensors need the Triton interpreter, but triton was imported without "
                                "TRITON_INTERPRET=1 (import v4compile first, or set it)")
     return load_module(path)
+
+
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per output tile, for a split-K GEMM whose last program per tile sums the parts
+    (``_last_split``). On CUDA one buffer per stream, reused: kernels on a stream run in order and each leaves its
+    counters at 0, and kernels on concurrent streams (the stream schedule) get buffers of their own. A buffer
+    outgrown is kept alive, not freed: a captured CUDA graph may still address it. On the CPU a fresh one."""
+    if device.type != "cuda":
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = _COUNTERS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 def lowered_text(kernel: object) -> str | None:
