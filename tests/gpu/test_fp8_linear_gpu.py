@@ -81,7 +81,7 @@ def test_replays_in_a_cuda_graph() -> None:
 
 
 @pytest.mark.parametrize("pow2", [True, False])
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 32768, 1024), (7, 1024, 4096), (16, 4096, 2048), (64, 8192, 4096)])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 32768, 1024), (7, 1024, 4096), (16, 4096, 2048), (13, 8192, 4096)])
 def test_decode_quantizes_inside_the_gemm_bit_for_bit(rows: int, n: int, k: int, pow2: bool) -> None:
     """Decode's one launch (the GEMM quantizes its own blocks through the hardware's e4m3 conversion, a tile's last
     K range adds the splits) against the separate quantization kernel, on blocks of very different magnitudes

@@ -82,11 +82,12 @@ def _quantized_block(X, m, mm, k, s_x, POW2: tl.constexpr, FP8_DOT: tl.constexpr
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     if FP8_DOT:
         if HW_CAST:
-            codes = v.to(tl.float8e4nv)
+            a = v.to(tl.float8e4nv)
         else:
-            codes = _e4m3_code(_round_e4m3(v)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-        return codes, sa
-    return _round_e4m3(v) * sa[:, None], sa
+            a = _e4m3_code(_round_e4m3(v)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        a = _round_e4m3(v) * sa[:, None]
+    return a, sa
 
 
 @triton.jit
@@ -177,7 +178,7 @@ def launch_config(m: int, n: int, k: int, cuda: bool) -> dict[str, int]:
     split = 1 if blocks < 16 else min(8, triton_next_pow2(blocks // 4 + 1) // 2)
     wide = m > 16 and triton.cdiv(n, 128) >= SMS
     return {"BM": 16 if m <= 16 else 64, "BN": 128 if wide else 64, "BR": 16, "num_warps": 4,
-            "num_stages": 3 if wide else 4, "FP8_DOT": 1, "GROUP": 1, "SPLIT": split, "QUANT": 1}
+            "num_stages": 3 if wide else 4, "FP8_DOT": 1, "GROUP": 1, "SPLIT": split, "QUANT": int(m <= 16)}
 
 
 @functools.cache
