@@ -6,6 +6,8 @@ Tolerance: only the fp32 summation order differs, 1e-6 of max|y|.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,3 +51,21 @@ def test_bad_operands_are_named() -> None:
         ops.fp32_linear(x, torch.randn(8, 64), torch.randn(9), False, "triton")
     with pytest.raises(ValueError, match=r"weight dtype torch.int8 is not one of"):
         ops.fp32_linear(x, torch.zeros(8, 64, dtype=torch.int8), None, False, "triton")
+
+
+def test_the_split_decode_kernel_compiles_for_hopper(sm90_ptx: Callable[..., str]) -> None:
+    """The decode configuration lowered for sm_90 on the CPU: three TF32 products per step, and the split K's last
+    program found by an acquire-release atomic after a barrier."""
+    from v4compile.codegen.triton.fp32_linear import _SOURCE
+
+    config = launch_config(4, 1024, 4096, True)
+    assert config["SPLIT"] > 1
+    constexprs = {"HAS_BIAS": True, **{k: config[k] for k in ("BM", "BN", "BK", "GROUP", "SPLIT")}}
+    pointers = {"X": "*fp32", "W": "*fp32", "B": "*fp32", "OUT": "*fp32", "PARTS": "*fp32", "COUNTER": "*i32"}
+    scalars = dict.fromkeys(("M", "N", "K", "s_xm", "s_xk", "s_wn", "s_wk", "s_o", "s_part"), "i32")
+    ptx = sm90_ptx(_SOURCE.format(precision="tf32x3"), "fp32_mm",
+                   pointers | scalars | dict.fromkeys(constexprs, "constexpr"), constexprs, list(pointers),
+                   config["num_warps"])
+    assert "tf32" in ptx
+    release = ptx.index("atom.global.gpu.acq_rel.add")
+    assert "bar.sync" in ptx[ptx.rindex("st.global", 0, release):release]

@@ -7,6 +7,8 @@ but for rare one-ulp flips, and the fp32 difference stays below 1e-5 of max|y|.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -118,3 +120,27 @@ def test_bad_scale_shape_names_the_tensor() -> None:
         ops.fp8_linear(torch.randn(1, 256), layer.weight, layer.scale[:1], True, torch.float32, "triton")
     with pytest.raises(ValueError, match="activation has 128 features"):
         ops.fp8_linear(torch.randn(1, 128), layer.weight, layer.scale, True, torch.float32, "triton")
+
+
+_GEMM_ARGS = {"X": "*bf16", "CODES": "*fp8e4nv", "SCALES": "*fp32", "W": "*fp8e4nv", "S": "*u8", "OUT": "*bf16",
+              "PARTS": "*fp32", "COUNTER": "*i32", **dict.fromkeys(("M", "N", "K", "s_x", "s_c", "s_s", "s_w", "s_ws",
+                                                                     "s_o", "s_part"), "i32")}
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_the_decode_gemm_compiles_for_hopper_with_the_hardware_e4m3_conversion(
+        pow2: bool, sm90_ptx: Callable[..., str]) -> None:
+    """What the GPU runs while decoding, lowered on the CPU: the in-GEMM quantization converts with the hardware's
+    nearest-even saturating e4m3 instruction (with power-of-two scales; otherwise the integer rounding feeds a bf16
+    dot), and a split K finds its tile's last program with an acquire-release atomic after a barrier."""
+    from v4compile.codegen.triton.fp8_linear import _SOURCE
+
+    config = launch_config(1, 4096, 8192, True)
+    assert config["QUANT"] == 1 and config["SPLIT"] > 1
+    constexprs = {"POW2": pow2, "FP8_DOT": pow2, "TL_DOT": True, "QUANT": True, "HW_CAST": True, "BM": config["BM"],
+                  "BN": config["BN"], "GROUP": 1, "SPLIT": config["SPLIT"], "OUT_BF16": True}
+    ptx = sm90_ptx(_SOURCE.format(dot="bfloat16"), "fp8_gemm", _GEMM_ARGS | dict.fromkeys(constexprs, "constexpr"),
+                   constexprs, ["X", "W", "OUT", "PARTS"], config["num_warps"])
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == pow2
+    release = ptx.index("atom.global.gpu.acq_rel.add")
+    assert "bar.sync" in ptx[ptx.rindex("st.global", 0, release):release]  # every thread's partial stored first

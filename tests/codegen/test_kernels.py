@@ -430,52 +430,18 @@ def test_paged_sparse_attention_reads_window_and_pages_in_place(splits: int) -> 
                        sparse_attention_paged(q, window, pool, table, sink, index, 0.125))
 
 
-_LOWER_FOR_SM90 = """
-import importlib.util, json, re, sys
-from pathlib import Path
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-path, kernel, signature, constexprs, aligned, num_warps = sys.argv[1], sys.argv[2], *map(json.loads, sys.argv[3:])
-spec = importlib.util.spec_from_file_location("lowered_kernel", path)
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-names = list(signature)
-attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-compiled = triton.compile(ASTSource(fn=getattr(module, kernel), signature=signature, constexprs=constexprs,
-                                    attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-loads = re.findall(r"(?:ld\\.global|cp\\.async\\.c[ag])[.\\w]*", compiled.asm["ptx"])
-print(json.dumps({kind: loads.count(kind) for kind in set(loads)}))
-"""
+def _load_kinds(ptx: str) -> dict[str, int]:
+    """Global-memory load instructions of a kernel's PTX, counted by kind."""
+    import re
+
+    loads = re.findall(r"(?:ld\.global|cp\.async\.c[ag])[.\w]*", ptx)
+    return {kind: loads.count(kind) for kind in set(loads)}
 
 
-def _sm90_loads(source: str, kernel: str, signature: dict[str, str], constexprs: dict[str, object],
-                aligned: list[str], num_warps: int) -> dict[str, int]:
-    """Compiles ``kernel`` of a generated Triton ``source`` for an sm_90 GPU (no GPU needed; in a process without
-    the interpreter these tests run under) and counts its global-memory load instructions by kind."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "lowered_kernel.py"
-        path.write_text(source)
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        done = subprocess.run([sys.executable, "-c", _LOWER_FOR_SM90, str(path), kernel, json.dumps(signature),
-                               json.dumps(constexprs), json.dumps(aligned), json.dumps(num_warps)],
-                              capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def test_paged_sparse_attention_loads_entries_16_bytes_at_a_time_on_hopper() -> None:
+def test_paged_sparse_attention_loads_entries_16_bytes_at_a_time_on_hopper(sm90_ptx: Callable[..., str]) -> None:
     """The paged kernel picks each key from the window or a page; lowered for sm_90 it still copies the keys in
     16-byte asynchronous loads as the kernel over the gathered copy does (with this Triton, a plain select lowers
     them to two-byte loads), and only when both tensors are 16-byte aligned."""
-    pytest.importorskip("triton.backends.nvidia")
     from v4compile.codegen.triton import sparse_attention as attention
 
     names = ("Q KV WIN TABLE SINK INDEX OUT PART seqlen heads n_entries n_window per_page k_total per_split scale "
@@ -489,8 +455,9 @@ def test_paged_sparse_attention_loads_entries_16_bytes_at_a_time_on_hopper() -> 
     for paged, hint in ((False, False), (True, True), (True, False)):
         source = attention._SOURCE.format(dim=512, low=True, dot="bfloat16", precision="ieee", rounded_p=False,
                                           paged=paged)
-        counts[paged, hint] = _sm90_loads(source, "sparse_attention", signature,
-                                          {"BLOCK_H": 16, "BLOCK_K": 64, "SPLITS": 4, "ALIGNED": hint}, aligned, 8)
+        counts[paged, hint] = _load_kinds(sm90_ptx(source, "sparse_attention", signature,
+                                                   {"BLOCK_H": 16, "BLOCK_K": 64, "SPLITS": 4, "ALIGNED": hint},
+                                                   aligned, 8))
     gathered, paged, unhinted = counts[False, False], counts[True, True], counts[True, False]
     assert gathered.get("cp.async.cg.shared.global", 0) >= 32 and "ld.global.b16" not in gathered
     assert paged.get("cp.async.cg.shared.global", 0) == gathered["cp.async.cg.shared.global"]

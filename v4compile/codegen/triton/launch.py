@@ -39,8 +39,11 @@ SPLIT_LAST = '''
 @triton.jit
 def _last_split(COUNTER, tile, SPLIT: tl.constexpr):
     # whether this program is the last of its output tile's SPLIT K ranges to store its partial product (all of
-    # them are then in memory); the last one puts the tile's counter back to 0 for the next launch
-    last = tl.atomic_add(COUNTER + tile, 1, sem="acq_rel") == SPLIT - 1
+    # them are then in memory); the last one puts the tile's counter back to 0 for the next launch. The barrier
+    # orders every thread's partial stores before the release; the acquire's result reaches the threads through
+    # shared memory behind another barrier (the pattern of CUTLASS's split-K semaphore)
+    tl.debug_barrier()
+    last = tl.atomic_add(COUNTER + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
     if last:
         tl.store(COUNTER + tile, 0)
     return last
