@@ -409,6 +409,26 @@ def test_paged_indexer_scores_read_the_keys_in_place() -> None:
     assert REGISTRY.records["indexer_scores_paged.d32.bf16.triton"].launches >= 1
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_attention_of_transposed_queries_compiles_with_the_layout_it_returns(padded: bool) -> None:
+    """transformers hands the attention queries as a [B,H,S,d] tensor transposed to [B,S,H,d]: under Inductor the
+    op's output must have the strides its fake announced (contiguous), or Inductor's stride check fails (seen on the
+    H100 with the Triton kernel, whose output is contiguous); the values equal the call on contiguous queries."""
+    torch.manual_seed(8)
+    x = torch.randn(1, 4, 6, 32).bfloat16()
+    kv, sink, index = torch.randn(1, 9, 32).bfloat16(), torch.randn(4), torch.randint(-1, 9, (1, 6, 5))
+
+    def attend(x: torch.Tensor) -> torch.Tensor:
+        q = (x * 2).transpose(1, 2)
+        if padded:
+            return ops.sparse_attention_padded(q, kv, sink, index, 0.125, 16, "triton") * 2
+        return ops.sparse_attention(q, kv, sink, index, 0.125, "triton") * 2
+
+    torch._dynamo.reset()
+    got = torch.compile(attend, backend="inductor", fullgraph=True)(x)
+    assert torch.equal(got, attend(x))
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_paged_sparse_attention_reads_window_and_pages_in_place(splits: int) -> None:
     """Window keys plus entries on scattered pages attend as their concatenated copy does, bit for bit (ids below

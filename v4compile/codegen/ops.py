@@ -231,12 +231,12 @@ _reference_body(radix_topk, "radix_topk")
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, index: torch.Tensor, scale: float,
                      backend: str) -> torch.Tensor:
     """Sparse MQA with sink: q [B,S,H,d] over ``kv[b, index[b,s,:]]`` (-1 masked); returns q's shape and dtype."""
-    return _run("sparse_attention", backend, q, kv, sink, index, scale)
+    return _run("sparse_attention", backend, q, kv, sink, index, scale).contiguous()
 
 
 @sparse_attention.register_fake
 def _(q, kv, sink, index, scale, backend):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous whatever q's strides, as every body returns it
 
 
 _reference_backward(sparse_attention, "sparse_attention")
@@ -247,12 +247,12 @@ def sparse_attention_paged(q: torch.Tensor, window: torch.Tensor, pool: torch.Te
                            sink: torch.Tensor, index: torch.Tensor, scale: float, backend: str) -> torch.Tensor:
     """``sparse_attention`` over ``window`` [B,W,d] then entries on shared pages (row b's ``pool[table[b]]``), each
     read where it lives rather than from a concatenated copy."""
-    return _run("sparse_attention_paged", backend, q, window, pool, table, sink, index, scale)
+    return _run("sparse_attention_paged", backend, q, window, pool, table, sink, index, scale).contiguous()
 
 
 @sparse_attention_paged.register_fake
 def _(q, window, pool, table, sink, index, scale, backend):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous whatever q's strides, as every body returns it
 
 
 _reference_backward(sparse_attention_paged, "sparse_attention_paged")
@@ -270,7 +270,7 @@ def sparse_attention_padded(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tenso
 
 @sparse_attention_padded.register_fake
 def _(q, kv, sink, index, scale, multiple, backend):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous whatever q's strides, as every body returns it
 
 
 _reference_backward(sparse_attention_padded, "sparse_attention", reference_inputs=5)  # padding changes no value
