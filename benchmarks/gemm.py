@@ -11,7 +11,7 @@ measured FP8 tensor-core rate. Every time is a CUDA-graph replay (a decode row: 
 "ours" cycles through copies of the weight filling 160 MB, so its weight reads come from HBM, not from L2.
 Run on the GPU machine from the repository root::
 
-    PYTHONPATH=. python3 benchmarks/gemm.py [--rows 1,16,64,8192] [--out results.json]
+    PYTHONPATH=. python3 benchmarks/gemm.py [--rows 1,16,64,8192] [--ours-only] [--out results.json]
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ class Row:
     n: int
     k: int
     ours_us: float
-    exact_us: float
+    exact_us: float | None
     floor_us: float
     scaled_mm_us: float | None
-    inductor_us: float
+    inductor_us: float | None
     config: str
     rel_err: float
 
@@ -101,8 +101,8 @@ def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tup
     return None
 
 
-def row(layer: str, m: int, n: int, k: int, ceil: dict[str, float]) -> tuple[Row, str]:
-    """One (M, N, K): checked against the model's simulation, then timed."""
+def row(layer: str, m: int, n: int, k: int, ceil: dict[str, float], ours_only: bool = False) -> tuple[Row, str]:
+    """One (M, N, K): checked against the model's simulation, then timed (``ours_only``: our kernel alone)."""
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
     weight, scale = quant.quantize_fp8_weight(torch.randn(n, k, generator=gen, device="cuda") / k**0.5)
     x = (torch.randn(m, k, generator=gen, device="cuda") * 3).bfloat16()
@@ -118,18 +118,22 @@ def row(layer: str, m: int, n: int, k: int, ceil: dict[str, float]) -> tuple[Row
         timer = (lambda f: in_graph_us(f, False)) if m <= 64 else (lambda f: bench(graphed(f), False))
         copies = itertools.cycle([(weight.clone(), scale.clone()) for _ in range(-(-(160 << 20) // (n * k)))])
         ours = timer(lambda: ops.fp8_linear(x, *next(copies), True, torch.bfloat16, "triton"))
-        exact_config = launch_config(m, n, k, True) | {"FP8_DOT": 0}
-        exact = timer(lambda: fp8_linear(x, weight, scale, True, config=exact_config))
-        compiled = torch.compile(model.unrounded, dynamic=False)
-        compiled(x)
-        inductor = timer(lambda: compiled(x))
-        found = scaled_mm(x, weight, scale)
-        theirs = timer(found[1]) if found else None
+        if ours_only:
+            exact = inductor = theirs = found = None
+        else:
+            exact_config = launch_config(m, n, k, True) | {"FP8_DOT": 0}
+            exact = timer(lambda: fp8_linear(x, weight, scale, True, config=exact_config))
+            compiled = torch.compile(model.unrounded, dynamic=False)
+            compiled(x)
+            inductor = timer(lambda: compiled(x))
+            found = scaled_mm(x, weight, scale)
+            theirs = timer(found[1]) if found else None
     moved = n * k + scale.numel() + m * k * 2 + m * n * 2
     floor = 1e6 * max(moved / ceil["copy_bytes_per_s"], 2 * m * n * k / ceil["fp8_flop_per_s"])
     config = ",".join(f"{a}={b}" for a, b in launch_config(m, n, k, True).items())
-    timed = Row(layer, m, n, k, round(ours, 1), round(exact, 1), round(floor, 1),
-                None if theirs is None else round(theirs, 1), round(inductor, 1), config, err)
+    timed = Row(layer, m, n, k, round(ours, 1), None if exact is None else round(exact, 1), round(floor, 1),
+                None if theirs is None else round(theirs, 1), None if inductor is None else round(inductor, 1),
+                config, err)
     return timed, found[0] if found else "none"
 
 
@@ -139,13 +143,14 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64,8192")
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--ours-only", action="store_true", help="time our kernel alone (no other columns)")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     ceil = ceilings(quick=False) | {"fp8_flop_per_s": fp8_rate()}
     rows, kinds = [], set()
     for (n, k), names in fp8_shapes(args.experts).items():
         for m in (int(r) for r in args.rows.split(",")):
-            r, kind = row("/".join(names), m, n, k, ceil)
+            r, kind = row("/".join(names), m, n, k, ceil, args.ours_only)
             rows.append(r)
             kinds.add(kind)
     if args.out:
@@ -156,10 +161,13 @@ def main() -> None:
           f"torch._scaled_mm scaling used: {sorted(kinds)}")
     print(f"{'layer':<28} {'M':>5} {'N':>6} {'K':>5} {'ours us':>9} {'bf16 dot':>9} {'floor us':>9} {'% floor':>8} "
           f"{'scaled_mm':>10} {'inductor':>9}  config")
+    def cell(us: float | None, width: int) -> str:
+        return f"{us:>{width}.1f}" if us is not None else f"{'-':>{width}}"
+
     for r in rows:
-        theirs = f"{r.scaled_mm_us:.1f}" if r.scaled_mm_us is not None else "-"
-        print(f"{r.layer[:28]:<28} {r.m:>5} {r.n:>6} {r.k:>5} {r.ours_us:>9.1f} {r.exact_us:>9.1f} {r.floor_us:>9.1f} "
-              f"{r.pct_of_floor:>7.0f}% {theirs:>10} {r.inductor_us:>9.1f}  {r.config}")
+        print(f"{r.layer[:28]:<28} {r.m:>5} {r.n:>6} {r.k:>5} {r.ours_us:>9.1f} {cell(r.exact_us, 9)} "
+              f"{r.floor_us:>9.1f} {r.pct_of_floor:>7.0f}% {cell(r.scaled_mm_us, 10)} {cell(r.inductor_us, 9)}  "
+              f"{r.config}")
 
 
 if __name__ == "__main__":
