@@ -193,6 +193,37 @@ def test_quantized_weights_compile_with_inductor_on_cpu() -> None:
     assert F.cosine_similarity(got.float(), want.float(), dim=-1).min() > 0.999
 
 
+def test_inductors_cache_is_keyed_by_the_ops_definitions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's compiled code calls our ops with what their fake kernels announced (output strides, dtypes): a
+    cached graph compiled against other op definitions (an older v4compile) is not served, the same ones are."""
+    from torch import nn
+    from torch._dynamo.utils import counters
+
+    from v4compile import backend
+    from v4compile.model import quant
+    from v4compile.model.linear import Linear
+
+    torch.manual_seed(2)
+    layer = nn.Sequential(Linear(256, 128, "fp8", True))
+    weight, scale = quant.quantize_fp8_weight(torch.randn(128, 256) / 16)
+    layer[0].weight.data.copy_(weight)
+    layer[0].scale.copy_(scale)
+    x = torch.randn(2, 256).bfloat16()
+
+    def compile_again() -> tuple[int, int]:
+        torch._dynamo.reset()
+        hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+        with torch.no_grad():
+            v4compile.optimize(layer, backend="triton")(x)
+        return counters["inductor"]["fxgraph_cache_hit"] - hits, counters["inductor"]["fxgraph_cache_miss"] - misses
+
+    compile_again()
+    assert compile_again() == (1, 0)
+    source = backend.op_definitions_source()
+    monkeypatch.setattr(backend, "op_definitions_source", lambda: source + "\n# another definition")
+    assert compile_again() == (0, 1)
+
+
 def test_a_second_compile_reuses_inductors_cached_graph() -> None:
     """Warm starts: the custom ops' reference bodies are inlined before Inductor, so its FX graph cache has a
     stable key and a fresh compile of the same model (a new process, or after ``torch._dynamo.reset()``) loads

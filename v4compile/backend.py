@@ -10,6 +10,7 @@ rewritten graph runs as is (eagerly), which is what the debugging tools use. A C
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
@@ -146,16 +148,40 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
     return lambda *args: compiled(*(a.view(torch.uint8) if i in as_bytes else a for i, a in enumerate(args)))
 
 
+def op_definitions_source() -> str:
+    """The source of the custom ops' definitions (schemas, fake kernels, autograd): what Inductor's compiled code
+    assumes of an op it calls (e.g. its output's strides) but its compile cache does not see."""
+    import inspect
+
+    from .codegen import ops
+
+    return inspect.getsource(ops)
+
+
+class OpDefinitions(CustomGraphPass):
+    """A post-grad pass that changes nothing; its ``uuid`` puts the ops' definitions into Inductor's FX graph cache
+    key, so code compiled against an older definition (a stale fake's strides after an upgrade) is never served."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        """Leaves the graph as it is."""
+
+    def uuid(self) -> bytes:
+        """Hash of the ops' definitions and torch's version."""
+        return hashlib.sha256((op_definitions_source() + torch.__version__).encode()).digest()
+
+
 def _compile_fx(gm: fx.GraphModule, example_inputs: list[Any], inline_reference: bool) -> Callable[..., Any]:
-    """``compile_fx`` without its warning that complex operators stay aten calls: the model's one complex op,
-    ``torch.polar`` building the RoPE tables as the official model does, is such a call by design."""
+    """``compile_fx`` without its warning that complex operators stay aten calls (the model's one complex op,
+    ``torch.polar`` building the RoPE tables as the official model does, is such a call by design), keyed in
+    Inductor's cache by the ops' definitions too (``OpDefinitions``)."""
     from torch._inductor.compile_fx import compile_fx
 
     if inline_reference:
         gm = inline_reference_bodies(gm, example_inputs)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
-        return compile_fx(gm, example_inputs, config_patches={"emulate_precision_casts": True})
+        return compile_fx(gm, example_inputs, config_patches={"emulate_precision_casts": True,
+                                                              "post_grad_custom_post_pass": OpDefinitions()})
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
