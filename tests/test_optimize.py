@@ -196,6 +196,8 @@ def test_quantized_weights_compile_with_inductor_on_cpu() -> None:
 def test_inductors_cache_is_keyed_by_the_ops_definitions(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inductor's compiled code calls our ops with what their fake kernels announced (output strides, dtypes): a
     cached graph compiled against other op definitions (an older v4compile) is not served, the same ones are."""
+    import uuid
+
     from torch import nn
     from torch._dynamo.utils import counters
 
@@ -220,7 +222,8 @@ def test_inductors_cache_is_keyed_by_the_ops_definitions(monkeypatch: pytest.Mon
     compile_again()
     assert compile_again() == (1, 0)
     source = backend.op_definitions_source()
-    monkeypatch.setattr(backend, "op_definitions_source", lambda: source + "\n# another definition")
+    other = f"{source}\n# another definition, {uuid.uuid4()}"  # new to the persistent cache on every run
+    monkeypatch.setattr(backend, "op_definitions_source", lambda: other)
     assert compile_again() == (0, 1)
 
 
