@@ -17,12 +17,12 @@ Two launches for prefill rows, one while decoding:
    dot on the GPU, and under the CPU interpreter fp32 operands with a broadcast product; ``FP8_DOT`` runs there
    too when asked (the interpreter's FP8 dot is exact). Operands load unmasked as e4m3 tensors (the codes padded
    to whole row tiles, weight rows past N clamped), which is what lets Triton pipeline them into the FP8 dot.
-3. While decoding (64 rows or fewer) ``fp8_gemm`` does step 1 itself (``QUANT``): each program quantizes the
-   bf16 rows of its K blocks, the same codes and scales (on the GPU through the hardware's nearest-even saturating
-   e4m3 conversion, ``HW_CAST``; recomputed per column tile, which costs less than the launch it saves). A long K
-   (16+ blocks) is split into ranges; each range's program stores its partial product and the tile's last one to
-   finish adds them in split order (a per-tile counter finds it). The split depends only on K, so a row's result
-   does not depend on the batch.
+3. At 16 rows or fewer ``fp8_gemm`` does step 1 itself (``QUANT``): each program quantizes the bf16 rows of its
+   K blocks, the same codes and scales (on the GPU through the hardware's nearest-even saturating e4m3 conversion,
+   ``HW_CAST``; recomputed per column tile, which costs less than the launch it saves at 16 rows but more at 64).
+   While decoding (64 rows or fewer) a long K (16+ blocks) is split into ranges; each range's program stores its
+   partial product and the tile's last one to finish adds them in split order (a per-tile counter finds it). The
+   split depends only on K, so a row's result does not depend on the batch.
 Prefill rows with K of 2048+ and bf16 output replace step 2 by torch's block-scaled cuBLAS GEMM where torch and
 the GPU have it (``blockwise_scaled_mm``): the same e4m3 codes and scales, the same per-block fp32 promotion.
 
@@ -159,15 +159,15 @@ def kernel_name() -> str:
 
 def launch_config(m: int, n: int, k: int, cuda: bool) -> dict[str, int]:
     """Row tiles of 16 (the tensor cores' minimum) while decoding and 128 for prefill. Decode reads the weight
-    once and is latency-bound: one launch that quantizes its own activation blocks (``QUANT``), and a long K (16+
-    blocks) split into up to eight ranges summed by each tile's last program in a fixed order; the split depends
-    only on K, so a row's sums do not depend on the batch. Prefill walks eight
-    row tiles per band of column tiles, or (``CUBLAS``, K of 2048+, bf16 out, power-of-two scales) quantizes
-    the activation here and multiplies in torch's block-scaled cuBLAS GEMM, bitwise equal to ours and 1.2-3.2x
-    faster at the slice's prefill shapes (8192 rows on the H100: wkv 110 -> 35 us, wq_a 138 -> 59, wo_b 603 ->
-    494; at K 1024, wq_b, ours was 4% faster). FP8 tensor-core dots where the scales allow. From H200 and H100
-    sweeps (NOTES.md); the interpreter gets few, large programs and the separate quantization (``QUANT`` there
-    repeats the integer rounding per column tile; tests run it explicitly)."""
+    once and is latency-bound: at 16 rows or fewer one launch that quantizes its own activation blocks (``QUANT``;
+    at 64 rows requantizing per column tile was 22% slower on the H100), and a long K (16+ blocks) split into up to
+    eight ranges summed by each tile's last program in a fixed order; the split depends only on K, so a row's sums
+    do not depend on the batch. Prefill walks eight row tiles per band of column tiles, or (``CUBLAS``, K of 2048+,
+    bf16 out, power-of-two scales) quantizes the activation here and multiplies in torch's block-scaled cuBLAS GEMM,
+    bitwise equal to ours and 1.2-3.2x faster at the slice's prefill shapes (8192 rows on the H100: wkv 110 -> 35
+    us, wq_a 138 -> 59, wo_b 603 -> 494; at K 1024, wq_b, ours was 4% faster). FP8 tensor-core dots where the
+    scales allow. From H200 and H100 sweeps (NOTES.md); the interpreter gets few, large programs and the separate
+    quantization (``QUANT`` there repeats the integer rounding per column tile; tests run it explicitly)."""
     if not cuda:
         return {"BM": min(64, triton_next_pow2(max(m, 1))), "BN": min(64, triton_next_pow2(n)), "BR": 64,
                 "num_warps": 4, "num_stages": 1, "FP8_DOT": 0, "GROUP": 1, "SPLIT": 1}
