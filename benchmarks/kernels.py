@@ -184,7 +184,7 @@ def _entry_inputs(ratio: int, width: int, rotate: bool, rows: int, positions: to
     from v4compile.model.rope import rope_cos_sin, rope_frequencies
 
     cos, sin = rope_cos_sin(rope_frequencies(64, 1.6e5, 65536, 16, 32, 1).cuda(), positions)
-    return cos, sin, torch.rand(width, device="cuda") + 0.5, 1e-6, rotate, True
+    return cos, sin, torch.rand(width, device="cuda") + 0.5, 1e-6, rotate, True, True
 
 
 def compressor_entries_row(ceil: dict[str, float], quick: bool, ratio: int, width: int, rotate: bool,

@@ -67,19 +67,57 @@ def test_compressor_entries_pool_and_finish_like_the_model(backend: str, ratio: 
         kv, score = torch.randn(3, c * ratio, c * width) * 3, torch.randn(3, c * ratio, c * width) * 2
         score[0, : c * ratio // 2] = float("-inf")  # slots not yet written
         cos, sin = rope_cos_sin(freqs, torch.tensor([0, 40000, 123456]) // ratio * ratio)
-        args = (kv, score, ratio, width, cos, sin, weight, 1e-6, rotate, pow2)
+        args = (kv, score, ratio, width, cos, sin, weight, 1e-6, rotate, pow2, True)
         want, got = reference.compressor_entry_state(*args), ops.compressor_entry_state(*args, backend)
     else:
         tokens = blocks * ratio + ratio // 2  # a partial block left over
         kv, score = torch.randn(2, tokens, c * width) * 3, torch.randn(2, tokens, c * width) * 2
         ape = torch.randn(ratio, c * width)
         cos, sin = rope_cos_sin(freqs, torch.arange(blocks) * ratio)
-        args = (kv, score, ape, ratio, width, blocks, cos, sin, weight, 1e-6, rotate, pow2)
+        args = (kv, score, ape, ratio, width, blocks, cos, sin, weight, 1e-6, rotate, pow2, True)
         want, got = reference.compressor_entries(*args), ops.compressor_entries(*args, backend)
     assert_finished_entries(got, want, rotate, 0.995)
     form = "hadamard_fp4" if rotate else "fp8"
     record = REGISTRY.records[f"compressor_entr{'y_state' if state else 'ies'}.c{ratio}.w{width}.{form}.{backend}"]
     assert record.error is None and record.launches
+
+
+@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize(("ratio", "width", "rope", "state", "tables"), [
+    (4, 128, 64, False, torch.bfloat16), (4, 64, 64, True, torch.bfloat16), (128, 128, 64, False, torch.float32),
+    (4, 96, 32, False, torch.float32), (128, 128, 64, True, torch.bfloat16),
+])
+def test_compressor_entries_kept_bf16_like_transformers(backend: str, ratio: int, width: int, rope: int, state: bool,
+                                                        tables: torch.dtype) -> None:
+    """The finish without quantization (transformers' V4 keeps its entries bf16, with bf16 RoPE tables): the
+    model's entries but where the pooling's fp32 rounding crosses a bf16 boundary (one step), any width of whole
+    pairs; the rotation without its FP4 simulation is refused by name."""
+    from v4compile.model.rope import rope_cos_sin, rope_frequencies
+
+    torch.manual_seed(ratio + width + rope)
+    c, blocks = (2 if ratio == 4 else 1), 4
+    freqs = rope_frequencies(rope, 1e4, 0, 1, 32, 1)
+    weight = torch.rand(width) + 0.5
+    if state:
+        kv, score = torch.randn(3, c * ratio, c * width) * 3, torch.randn(3, c * ratio, c * width) * 2
+        cos, sin = (t.to(tables) for t in rope_cos_sin(freqs, torch.tensor([0, 4000, 12344]) // ratio * ratio))
+        args = (kv, score, ratio, width, cos, sin, weight, 1e-6, False, False, False)
+        want, got = reference.compressor_entry_state(*args), ops.compressor_entry_state(*args, backend)
+    else:
+        tokens = blocks * ratio + 1
+        kv, score = torch.randn(2, tokens, c * width) * 3, torch.randn(2, tokens, c * width) * 2
+        cos, sin = (t.to(tables) for t in rope_cos_sin(freqs, torch.arange(blocks) * ratio))
+        args = (kv, score, torch.randn(ratio, c * width), ratio, width, blocks, cos, sin, weight, 1e-6, False, False,
+                False)
+        want, got = reference.compressor_entries(*args), ops.compressor_entries(*args, backend)
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    assert (got == want).float().mean() >= 0.995
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    name = f"compressor_entr{'y_state' if state else 'ies'}.c{ratio}.w{width}.bf16.{backend}"
+    assert REGISTRY.records[name].error is None and REGISTRY.records[name].launches
+    if not state:
+        with pytest.raises(ValueError, match="rotation .* comes with the FP4 simulation"):
+            ops.compressor_entries(*args[:-3], True, False, False, backend)
 
 
 @settings(max_examples=25, deadline=None)
@@ -100,11 +138,11 @@ def test_compressor_entries_property_random_dims(ratio: int, overlap: bool, rota
     if state:
         kv, score = torch.randn(3, c * ratio, c * width) * 3, torch.randn(3, c * ratio, c * width) * 2
         score[0, ratio // 2:] = float("-inf")
-        args = (kv, score, ratio, width, cos, sin, weight, 1e-6, rotate, pow2)
+        args = (kv, score, ratio, width, cos, sin, weight, 1e-6, rotate, pow2, True)
         got, want = ops.compressor_entry_state(*args, "triton"), reference.compressor_entry_state(*args)
     else:
         kv, score = torch.randn(1, 3 * ratio + 1, c * width) * 3, torch.randn(1, 3 * ratio + 1, c * width) * 2
-        args = (kv, score, torch.randn(ratio, c * width), ratio, width, 3, cos, sin, weight, 1e-6, rotate, pow2)
+        args = (kv, score, torch.randn(ratio, c * width), ratio, width, 3, cos, sin, weight, 1e-6, rotate, pow2, True)
         got, want = ops.compressor_entries(*args, "triton"), reference.compressor_entries(*args)
     assert_finished_entries(got, want, rotate, 0.995)
 
@@ -121,16 +159,16 @@ def test_compressor_entries_edge_inputs(backend: str, assert_finished_entries: C
     weight = torch.rand(128) + 0.5
     for c in (1, 2):  # ratio 4 without the overlap, then with it
         kv, score, ape = torch.randn(2, 13, c * 128), torch.randn(2, 13, c * 128), torch.randn(4, c * 128)
-        args = (kv, score, ape, 4, 128, 3, cos, sin, weight, 1e-6, False, True)
+        args = (kv, score, ape, 4, 128, 3, cos, sin, weight, 1e-6, False, True, True)
         assert_finished_entries(ops.compressor_entries(*args, backend), reference.compressor_entries(*args), False)
     kv, score = torch.randn(2, 8, 256), torch.randn(2, 8, 256)
     score[1, :, 5] = score[1, :, 128 + 5] = float("-inf")  # dim 5 of row 1: no slot (of either half) written
-    args = (kv, score, 4, 128, cos[:2], sin[:2], weight, 1e-6, False, True)
+    args = (kv, score, 4, 128, cos[:2], sin[:2], weight, 1e-6, False, True, True)
     got, want = ops.compressor_entry_state(*args, backend), reference.compressor_entry_state(*args)
     assert want[1].isnan().all() and got[1].isnan().all() and torch.equal(got[0], want[0])
     kv, score, ape = torch.randn(1, 12, 384), torch.randn(1, 12, 384), torch.randn(4, 384)
     with pytest.raises(ValueError, match="power-of-two dim"):  # a rotation of 192 dims
-        ops.compressor_entries(kv, score, ape, 4, 192, 3, cos, sin, torch.ones(192), 1e-6, True, True, backend)
+        ops.compressor_entries(kv, score, ape, 4, 192, 3, cos, sin, torch.ones(192), 1e-6, True, True, True, backend)
 
 
 def _lowest_index_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

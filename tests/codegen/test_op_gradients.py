@@ -84,6 +84,6 @@ def test_fused_compressor_entries_gradients_match_the_model() -> None:
     want = _grads((finish_entries(pool_blocks(kv, score, ape, ratio, width), cos, sin, weight, 1e-6, False, True),),
                   inputs, 5)
     got = _grads((ops.compressor_entries(kv, score, ape, ratio, width, blocks, cos, sin, weight, 1e-6, False, True,
-                                         "triton"),), inputs, 5)
+                                         True, "triton"),), inputs, 5)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

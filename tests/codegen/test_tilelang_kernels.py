@@ -162,10 +162,10 @@ def test_compressor_entry_state_takes_what_the_reference_takes() -> None:
     weight = torch.rand(96) + 0.5
     kv, score = torch.randn(2, 8, 192), torch.randn(2, 8, 192)
     for c, s in ((cos[0], sin[0]), (cos, sin)):  # [r/2] for every row, [B, r/2]
-        args = (kv, score, 4, 96, c, s, weight, 1e-6, False, True)
+        args = (kv, score, 4, 96, c, s, weight, 1e-6, False, True, True)
         got, want = ops.compressor_entry_state(*args, "tilelang"), reference.compressor_entry_state(*args)
         assert torch.equal(got, want)
-    empty = ops.compressor_entry_state(kv[:0], score[:0], 4, 96, cos[:0], sin[:0], weight, 1e-6, False, True,
+    empty = ops.compressor_entry_state(kv[:0], score[:0], 4, 96, cos[:0], sin[:0], weight, 1e-6, False, True, True,
                                        "tilelang")
     assert empty.shape == (0, 96) and empty.dtype == torch.bfloat16
 

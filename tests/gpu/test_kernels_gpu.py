@@ -56,14 +56,14 @@ def test_compressor_entries_cuda(backend: str, ratio: int, width: int, rotate: b
         score = torch.randn(64, c * ratio, c * width, device="cuda") * 2
         score[0, c * ratio // 2:] = float("-inf")  # slots not yet written
         cos, sin = rope_cos_sin(freqs, torch.randint(0, 60000, (64,), device="cuda") * ratio)
-        args = (kv, score, ratio, width, cos, sin, weight, 1e-6, rotate, pow2)
+        args = (kv, score, ratio, width, cos, sin, weight, 1e-6, rotate, pow2, True)
         want, got = reference.compressor_entry_state(*args), ops.compressor_entry_state(*args, backend)
     else:
         kv = torch.randn(2, blocks * ratio + 1, c * width, device="cuda") * 3
         score = torch.randn(2, blocks * ratio + 1, c * width, device="cuda") * 2
         ape = torch.randn(ratio, c * width, device="cuda")
         cos, sin = rope_cos_sin(freqs, torch.arange(blocks, device="cuda") * ratio)
-        args = (kv, score, ape, ratio, width, blocks, cos, sin, weight, 1e-6, rotate, pow2)
+        args = (kv, score, ape, ratio, width, blocks, cos, sin, weight, 1e-6, rotate, pow2, True)
         want, got = reference.compressor_entries(*args), ops.compressor_entries(*args, backend)
     assert_finished_entries(got, want, rotate, 0.99)
 

@@ -158,16 +158,16 @@ _reference_backward(compressor_pool_state, "compressor_pool_state")
 @torch.library.custom_op("v4compile::compressor_entries", mutates_args=())
 def compressor_entries(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, width: int,
                        n_blocks: int, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                       rotate: bool, pow2_scales: bool, backend: str) -> torch.Tensor:
+                       rotate: bool, pow2_scales: bool, quantize: bool, backend: str) -> torch.Tensor:
     """Finished cache entries [B, n_blocks, width] (bf16): ``compressor_pool`` then the model's finish (RMSNorm,
-    RoPE with the entries' ``cos``/``sin``, FP8 or Hadamard + FP4 simulation), so the pooled fp32 entries are
-    never written."""
+    RoPE with the entries' ``cos``/``sin``, FP8 or Hadamard + FP4 simulation, or none without ``quantize``), so
+    the pooled fp32 entries are never written."""
     return _run("compressor_entries", backend, kv, score, ape, ratio, width, n_blocks, cos, sin, norm_weight, eps,
-                rotate, pow2_scales)
+                rotate, pow2_scales, quantize)
 
 
 @compressor_entries.register_fake
-def _(kv, score, ape, ratio, width, n_blocks, cos, sin, norm_weight, eps, rotate, pow2_scales, backend):
+def _(kv, score, ape, ratio, width, n_blocks, cos, sin, norm_weight, eps, rotate, pow2_scales, quantize, backend):
     return kv.new_empty(kv.shape[0], n_blocks, width, dtype=torch.bfloat16)
 
 
@@ -178,15 +178,15 @@ _reference_backward(compressor_entries, "compressor_entries")
 @torch.library.custom_op("v4compile::compressor_entry_state", mutates_args=())
 def compressor_entry_state(kv_state: torch.Tensor, score_state: torch.Tensor, ratio: int, width: int,
                            cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float, rotate: bool,
-                           pow2_scales: bool, backend: str) -> torch.Tensor:
+                           pow2_scales: bool, quantize: bool, backend: str) -> torch.Tensor:
     """The finished entry [B, width] (bf16) of a decode state: ``compressor_pool_state`` then the model's
     finish, in one kernel."""
     return _run("compressor_entry_state", backend, kv_state, score_state, ratio, width, cos, sin, norm_weight, eps,
-                rotate, pow2_scales)
+                rotate, pow2_scales, quantize)
 
 
 @compressor_entry_state.register_fake
-def _(kv_state, score_state, ratio, width, cos, sin, norm_weight, eps, rotate, pow2_scales, backend):
+def _(kv_state, score_state, ratio, width, cos, sin, norm_weight, eps, rotate, pow2_scales, quantize, backend):
     return kv_state.new_empty(kv_state.shape[0], width, dtype=torch.bfloat16)
 
 

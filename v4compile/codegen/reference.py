@@ -54,18 +54,18 @@ def compressor_pool_state(kv_state: torch.Tensor, score_state: torch.Tensor, rat
 
 def compressor_entries(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, width: int,
                        n_blocks: int, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                       rotate: bool, pow2_scales: bool) -> torch.Tensor:
+                       rotate: bool, pow2_scales: bool, quantize: bool) -> torch.Tensor:
     """Finished cache entries [B, n_blocks, width] (bf16): the pooled entries through the model's finish."""
     pooled = compressor_pool(kv, score, ape, ratio, width, n_blocks)
-    return finish_entries(pooled, cos, sin, norm_weight, eps, rotate, pow2_scales)
+    return finish_entries(pooled, cos, sin, norm_weight, eps, rotate, pow2_scales, quantize)
 
 
 def compressor_entry_state(kv_state: torch.Tensor, score_state: torch.Tensor, ratio: int, width: int,
                            cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float, rotate: bool,
-                           pow2_scales: bool) -> torch.Tensor:
+                           pow2_scales: bool, quantize: bool) -> torch.Tensor:
     """The finished entry [B, width] (bf16) of a decode state: its pooled entry through the model's finish."""
     pooled = compressor_pool_state(kv_state, score_state, ratio, width)
-    return finish_entries(pooled, cos, sin, norm_weight, eps, rotate, pow2_scales)
+    return finish_entries(pooled, cos, sin, norm_weight, eps, rotate, pow2_scales, quantize)
 
 
 def radix_topk(x: torch.Tensor, k: int, mask_invalid: bool) -> tuple[torch.Tensor, torch.Tensor]:

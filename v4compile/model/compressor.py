@@ -35,12 +35,17 @@ def pool_blocks(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio:
 
 
 def finish_entries(pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                   rotate: bool, pow2_scales: bool) -> torch.Tensor:
+                   rotate: bool, pow2_scales: bool, quantize: bool = True) -> torch.Tensor:
     """Pooled entries (fp32) -> cache entries (bf16): RMSNorm, RoPE on the last ``2*cos.shape[-1]`` dims with the
     entries' ``cos``/``sin``, then FP8 simulation of the other dims (main branch) or the Hadamard rotation and FP4
-    simulation of all of them (indexer branch, ``rotate``)."""
+    simulation of all of them (indexer branch, ``rotate``). ``quantize`` False keeps the entries bf16 after the RoPE
+    (no simulation, no rotation): the finish of transformers' V4, which has no FP8 KV or FP4 indexer cache."""
+    if rotate and not quantize:
+        raise ValueError("finish_entries: the Hadamard rotation (rotate) comes with the FP4 simulation (quantize)")
     e = rms_norm(pooled.to(torch.bfloat16), norm_weight, eps)
     e = apply_rope(e, cos, sin)
+    if not quantize:
+        return e
     if rotate:
         return quant.fp4_simulate(hadamard_rotate(e))
     rope_dim = 2 * cos.shape[-1]

@@ -413,6 +413,6 @@ def read_through_cast(node: fx.Node) -> None:
     """``node``'s users read it through a cast to its own dtype: a no-op until a rewrite puts an op of another output
     dtype (an fp32 sum where the graph summed in bf16) in ``node``'s place."""
     with node.graph.inserting_after(node):
-        cast = node.graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": dtype(node)})
+        cast = node.graph.call_function(torch.ops.aten.to.dtype, (node, dtype(node)))
         cast.meta.update(node.meta)
     node.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)

@@ -2,7 +2,10 @@
 the Hadamard rotation and FP4 simulation) joins the pooling kernel, which then writes the bf16 cache entry.
 
 Runs after ``compressor_fusion``: its anchors are the pooling ops that pass emitted. The finish is found by
-matching the model's own ``finish_entries`` traced to ATen (``template.bind``) over the pooled entries.
+matching the model's own ``finish_entries`` traced to ATen (``template.bind``) over the pooled entries, in each of
+its forms (FP8 with either scale rule, Hadamard + FP4, or kept bf16) and with its RoPE in either spelling: the
+model's (even and odd dims as pairs) or transformers' (``x * cos + rotate_half(x) * sin`` on tables repeated per
+pair, entries given a head dim and bf16 tables), which compute the same products and sums (the same values).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch import fx
 
 from ..codegen import ops
 from ..model.compressor import finish_entries
+from ..model.norm import rms_norm
 from .base import GraphPass, NoMatch, Rewrite, RewriteContext, SymDim, is_op, only_user, shape
 from .template import Binding, Template, bind, example_sizes, trace
 
@@ -24,8 +28,10 @@ aten = torch.ops.aten
 _SEARCH = 400
 """Nodes after the pooled entries searched for the finish's output (the finish itself is about 100)."""
 
-VARIANTS = ((False, True), (False, False), (True, True))
-"""(rotate, pow2 scales) of the finishes the model has: FP8 with power-of-two or plain scales, Hadamard + FP4."""
+VARIANTS = ((False, True, True, "pairs"), (False, False, True, "pairs"), (True, True, True, "pairs"),
+            (False, False, False, "pairs"), (False, False, False, "rotate_half"))
+"""(rotate, pow2 scales, quantize, RoPE spelling) of the finishes: FP8 with power-of-two or plain scales, Hadamard +
+FP4, and entries kept bf16 (transformers' V4, which has no FP8 KV), the last in both RoPE spellings."""
 
 
 @dataclass
@@ -39,6 +45,7 @@ class Finish:
     eps: float
     rotate: bool
     pow2: bool
+    quantize: bool
     rope: int
 
 
@@ -72,16 +79,39 @@ def _rope_dims(after: list[fx.Node], width: int) -> int:
     raise NoMatch("no RoPE on the last dims (a slice x[..., -r:]) follows the pooled entries")
 
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Each interleaved pair (a, b) of the last dim as (-b, a)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def _finish_rotate_half(pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    """``finish_entries`` without quantization, its RoPE spelled as transformers' V4 spells it: entries given a head
+    dim, bf16 tables of one angle per pair repeated for both of its dims, ``x * cos + rotate_half(x) * sin``."""
+    e = rms_norm(pooled.to(torch.bfloat16), weight, eps).unsqueeze(1)
+    cos, sin = cos.repeat_interleave(2, dim=-1).unsqueeze(1), sin.repeat_interleave(2, dim=-1).unsqueeze(1)
+    r = cos.shape[-1]
+    rest, rot = e[..., :-r], e[..., -r:]
+    turned = (rot.float() * cos + _rotate_half(rot).float() * sin).to(e.dtype)
+    return torch.cat([rest, turned], dim=-1).squeeze(1)
+
+
 @lru_cache(maxsize=64)
-def _template(pooled: tuple[int, ...], rope: int, eps: float, rotate: bool, pow2: bool,
-              dynamic: tuple[int, ...]) -> Template:
-    """``finish_entries`` traced for pooled entries of this shape (cos/sin of one row per entry row), ``dynamic``
-    the pooled entries' dynamic dims."""
+def _template(pooled: tuple[int, ...], rope: int, eps: float, rotate: bool, pow2: bool, quantize: bool,
+              spelling: str, dynamic: tuple[int, ...]) -> Template:
+    """``finish_entries`` traced for pooled entries of this shape, ``dynamic`` the pooled entries' dynamic dims:
+    the model's spelling with cos/sin of one row per entry row, transformers' with bf16 cos/sin per entry."""
+    if spelling == "rotate_half":
+        table = torch.empty(*pooled[:-1], rope // 2, dtype=torch.bfloat16)
+        tables = tuple(d for d in dynamic if d < len(pooled) - 1)
+        example = [torch.empty(pooled), table, table.clone(), torch.empty(pooled[-1])]
+        return trace(lambda p, cos, sin, w: _finish_rotate_half(p, cos, sin, w, eps), example,
+                     [dynamic, tables, tables, ()])
     table = torch.empty(pooled[-2] if len(pooled) > 1 else 1, rope // 2)
     example = [torch.empty(pooled), table, table.clone(), torch.empty(pooled[-1])]
     rows = len(pooled) - 2
     tables = (0,) if len(pooled) > 1 and rows in dynamic else ()
-    return trace(lambda p, cos, sin, w: finish_entries(p, cos, sin, w, eps, rotate, pow2), example,
+    return trace(lambda p, cos, sin, w: finish_entries(p, cos, sin, w, eps, rotate, pow2, quantize), example,
                  [dynamic, tables, tables, ()])
 
 
@@ -93,8 +123,8 @@ def find_finish(pooled: fx.Node, dims: tuple[int | SymDim, ...]) -> Finish:
     eps, rope = _eps(after), _rope_dims(after, dims[-1])
     sizes, dynamic = example_sizes(dims)
     best: Binding | None = None
-    for rotate, pow2 in VARIANTS:
-        template = _template(sizes, rope, eps, rotate, pow2, dynamic)
+    for rotate, pow2, quantize, spelling in VARIANTS:
+        template = _template(sizes, rope, eps, rotate, pow2, quantize, spelling, dynamic)
         for node in after:
             if node.op != "call_function" or node.target != template.output.target:
                 continue
@@ -105,7 +135,7 @@ def find_finish(pooled: fx.Node, dims: tuple[int | SymDim, ...]) -> Finish:
                 if shared:
                     raise NoMatch(f"intermediate values of the finish ({', '.join(shared)}) are used elsewhere: "
                                   f"fused, the pooling and finish would be computed twice")
-                return Finish(node, cos, sin, weight, eps, rotate, pow2, rope)
+                return Finish(node, cos, sin, weight, eps, rotate, pow2, quantize, rope)
             if binding.inputs is not None:
                 binding.reason = (f"it is applied to {binding.inputs[0].name}, computed from the pooled entries, "
                                   f"not to the pooled entries themselves")
@@ -127,7 +157,7 @@ class CompressorFinish(GraphPass):
     """The model's finish of pooled compressor entries -> the pooling kernel's epilogue."""
 
     name = "compressor_finish"
-    summary = "fuse the entry's RMSNorm + RoPE + FP8 (or Hadamard + FP4) simulation into the pooling kernel"
+    summary = "fuse the entry's RMSNorm + RoPE + FP8 (or Hadamard + FP4, or no) simulation into the pooling kernel"
     matches = "finish_entries(compressor_pool(...) or compressor_pool_state(...), cos, sin, norm weight)"
     tolerance = 0.67
     """The pooling kernel's own fp32 rounding (~1e-7 relative) can move a value across a bf16 boundary and then
@@ -153,13 +183,16 @@ class CompressorFinish(GraphPass):
         if isinstance(blocks, fx.Node):
             blocks = SymDim(blocks.meta["val"])
         finish = find_finish(_pooled_value(node), (rows, width) if state else (rows, blocks, width))
-        unsupported = supports(width, finish.rope, finish.rotate)
+        unsupported = supports(width, finish.rope, finish.rotate, finish.quantize)
         if unsupported:
             raise NoMatch(unsupported)
         name = "compressor_entry_state" if state else "compressor_entries"
-        kernel = kernel_name(ratio, width, finish.rotate, state, ops.implementation_backend(name, backend))
-        args = (*pool_args, finish.cos, finish.sin, finish.weight, finish.eps, finish.rotate, finish.pow2, backend)
+        kernel = kernel_name(ratio, width, finish.rotate, state, ops.implementation_backend(name, backend),
+                             finish.quantize)
+        args = (*pool_args, finish.cos, finish.sin, finish.weight, finish.eps, finish.rotate, finish.pow2,
+                finish.quantize, backend)
         return Rewrite(finish.output, getattr(ops, name), args, kernel,
                        {"form": "decode" if state else "prefill", "ratio": ratio, "width": width,
-                        "finish": "hadamard_fp4" if finish.rotate else "fp8", "rope": finish.rope,
+                        "finish": "bf16" if not finish.quantize else "hadamard_fp4" if finish.rotate else "fp8",
+                        "rope": finish.rope,
                         "pow2_scales": finish.pow2})

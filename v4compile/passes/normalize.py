@@ -9,6 +9,7 @@ Every rule here is exact (the normalised graph computes bitwise the same values,
 - ``aten.to`` to the dtype and device its input already has -> the input (``x.float()`` on an fp32 tensor: ATen
   returns the input itself, so the aliasing is unchanged);
 - ``dropout`` that drops nothing (p = 0 or not training) -> its input;
+- ``pow(x, 2)`` -> ``square(x)`` (ATen computes ``square`` as that ``pow``);
 - a fresh constant buffer filled by ``copy_`` into its slices, then read -> the ``cat`` of what was written
   (``passes/buffer_writes.py``).
 
@@ -45,6 +46,12 @@ def normalize(gm: fx.GraphModule) -> dict[str, int]:
         elif is_op(node, aten.dropout) and (node.args[1] == 0 or node.args[2] is False):
             node.replace_all_uses_with(node.args[0])
             counts["inactive dropout removed"] += 1
+        elif is_op(node, aten.pow) and node.args[1:] == (2,) and not node.kwargs:
+            with gm.graph.inserting_before(node):
+                square = gm.graph.call_function(aten.square.default, (node.args[0],))
+            square.meta.update(node.meta)
+            node.replace_all_uses_with(square)
+            counts["pow(x, 2) -> square"] += 1
     counts["slice writes -> cat"] += writes_to_cat(gm)
     counts = +counts
     if counts:

@@ -27,6 +27,7 @@ from .compressor import _HEADER, compressor_pool, compressor_pool_state
 _FINISH = '''
 ROPE = {rope}
 ROTATE = {rotate}
+QUANTIZE = {quantize}
 POW2 = {pow2}
 STATE = {state}
 POOLED = {pooled}
@@ -128,7 +129,9 @@ def build(target):
             else:
                 scale = top / QMAX
                 quantized = on_grid(T.min(T.max(e[j, g, i] / scale, -QMAX), QMAX)) * scale
-            if ROTATE:
+            if not QUANTIZE:
+                value = scratch[1, j, d]
+            elif ROTATE:
                 value = quantized
             else:
                 value = T.if_then_else(d < WIDTH - ROPE, quantized, scratch[1, j, d])
@@ -194,12 +197,12 @@ def launch_config(width: int, state: bool) -> dict[str, int]:
     return {"block_j": 1 if state else max(1, 512 // block_d), "block_d": block_d, "threads": 128}
 
 
-def _kernel(ratio: int, width: int, overlap: bool, rope: int, rotate: bool, pow2: bool, state: bool,
+def _kernel(ratio: int, width: int, overlap: bool, rope: int, rotate: bool, pow2: bool, quantize: bool, state: bool,
             device: torch.device) -> tuple[str, Any, dict[str, int], str, bool]:
     """Builds (once) the finishing kernel; returns its name, the kernel, its launch config, its target and whether
     it reads pooled entries (else it pools them itself)."""
     target = "cuda" if device.type == "cuda" else "c"
-    name = kernel_name(ratio, width, rotate, state, "tilelang")
+    name = kernel_name(ratio, width, rotate, state, "tilelang", quantize)
     config = launch_config(width, state)
     pooled = ratio > FUSED_RATIO
     qblock, qmax = (quant.FP4_BLOCK, quant.FP4_MAX) if rotate else (quant.FP8_KV_BLOCK, quant.FP8_MAX)
@@ -207,8 +210,8 @@ def _kernel(ratio: int, width: int, overlap: bool, rope: int, rotate: bool, pow2
     def source() -> str:
         hadamard, rotated = _hadamard(config["block_d"]) if rotate else ("", 1)
         finish = _FINISH.format(
-            rope=rope, rotate=rotate, pow2=pow2, state=state, pooled=pooled, qblock=qblock, qmax=qmax,
-            log2_qmax=math.floor(math.log2(qmax)), mantissa=1 if rotate else 3, min_exp=0 if rotate else -6,
+            rope=rope, rotate=rotate, quantize=quantize, pow2=pow2, state=state, pooled=pooled, qblock=qblock,
+            qmax=qmax, log2_qmax=math.floor(math.log2(qmax)), mantissa=1 if rotate else 3, min_exp=0 if rotate else -6,
             amax_floor=quant.FP4_AMAX_FLOOR if rotate else quant.FP8_AMAX_FLOOR, inv_sqrt_w=1.0 / math.sqrt(width),
             out_dtype="bfloat16" if target == "cuda" else "float32", hadamard=hadamard, rotated=rotated)
         return _HEADER.format(ratio=ratio, width=width, overlap=overlap, in_dtype="float32",
@@ -221,12 +224,12 @@ def _kernel(ratio: int, width: int, overlap: bool, rope: int, rotate: bool, pow2
 
 def _launch(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
             norm_weight: torch.Tensor, eps: float, ratio: int, width: int, n_blocks: int, rotate: bool,
-            pow2: bool, state: bool) -> torch.Tensor:
+            pow2: bool, quantize: bool, state: bool) -> torch.Tensor:
     bsz, half = kv.shape[0], cos.shape[-1]
     # a decode state's bias is in its scores: the kernel reads none (an unfilled table of the declared shape)
     ape = score.new_empty(ratio, score.shape[-1]) if ape is None else ape
     name, kernel, config, target, pooled = _kernel(ratio, width, kv.shape[-1] == 2 * width, 2 * half, rotate, pow2,
-                                                   state, kv.device)
+                                                   quantize, state, kv.device)
     kv, score, ape = kv.float().contiguous(), score.float().contiguous(), ape.float().contiguous()
     cos, sin = (per_entry_table(t, bsz, n_blocks, state).contiguous() for t in (cos, sin))
     norm_weight = norm_weight.float().contiguous()

@@ -38,6 +38,7 @@ HAS_BIAS = tl.constexpr({has_bias})  # a decode state's scores already hold the 
 ACC = tl.constexpr(tl.float32)
 ROPE = tl.constexpr({rope})
 ROTATE = tl.constexpr({rotate})
+QUANTIZE = tl.constexpr({quantize})
 POW2 = tl.constexpr({pow2})
 BLOCK_W = tl.constexpr({block_w})
 FP8_BLOCK = tl.constexpr({fp8_block})
@@ -105,7 +106,9 @@ def _finish(p, rows, COS, SIN, cs_off, NORM_W, eps, out, BLOCK_J: tl.constexpr):
     a_rot = tl.where(rope[None, :], _round_bf16(a * cos - b * sin), a)
     b_rot = tl.where(rope[None, :], _round_bf16(a * sin + b * cos), b)
     e = tl.reshape(tl.join(a_rot, b_rot), [BLOCK_J, BLOCK_W])
-    if ROTATE:
+    if not QUANTIZE:
+        pass
+    elif ROTATE:
         e = _round_bf16(_hadamard(e, BLOCK_J) * INV_SQRT_W)
         e = _simulate(e, BLOCK_J, FP4_BLOCK, 1, 0, 6.0, FP4_FLOOR, True)
     elif WIDTH > ROPE:
@@ -160,10 +163,12 @@ def _hadamard_source(n: int) -> str:
     return "\n".join(lines + ["    return x", ""])
 
 
-def kernel_name(ratio: int, width: int, rotate: bool, state: bool, backend: str = "triton") -> str:
+def kernel_name(ratio: int, width: int, rotate: bool, state: bool, backend: str = "triton",
+                quantize: bool = True) -> str:
     """Stable kernel name, e.g. ``compressor_entries.c4.w512.fp8.triton`` (``compressor_entry_state`` for the
-    decode form, ``.hadamard_fp4`` for the indexer branch, ``.tilelang`` for that backend's kernel)."""
-    form = "hadamard_fp4" if rotate else "fp8"
+    decode form, ``.hadamard_fp4`` for the indexer branch, ``.bf16`` for entries kept bf16, ``.tilelang`` for that
+    backend's kernel)."""
+    form = "bf16" if not quantize else "hadamard_fp4" if rotate else "fp8"
     return f"{'compressor_entry_state' if state else 'compressor_entries'}.c{ratio}.w{width}.{form}.{backend}"
 
 
@@ -179,11 +184,15 @@ def launch_config(ratio: int, width: int, state: bool) -> dict[str, int]:
     return {"BLOCK_J": 1, "CHUNK": ratio, "BLOCK_D": min(64, block_w), "num_warps": 4}
 
 
-def supports(width: int, rope: int, rotate: bool) -> str | None:
+def supports(width: int, rope: int, rotate: bool, quantize: bool = True) -> str | None:
     """Why the kernel cannot finish these entries (None when it can): the rotation needs a power-of-two width of
-    whole FP4 blocks, the main branch whole FP8 blocks before the RoPE dims."""
+    whole FP4 blocks, the main branch whole FP8 blocks before the RoPE dims (entries kept bf16 need neither)."""
     if rope % 2 or not 0 < rope <= width:
         return f"RoPE dims {rope} are not an even count within the width {width}"
+    if rotate and not quantize:
+        return "the Hadamard rotation comes with the FP4 simulation"
+    if not quantize:
+        return None
     if rotate and (width & (width - 1) or width % quant.FP4_BLOCK):
         return f"the rotated width {width} is not a power of two of whole FP4 blocks of {quant.FP4_BLOCK}"
     if not rotate and (width - rope) % quant.FP8_KV_BLOCK:
@@ -191,16 +200,16 @@ def supports(width: int, rope: int, rotate: bool) -> str | None:
     return None
 
 
-def _kernel(ratio: int, width: int, overlap: bool, rope: int, rotate: bool, pow2: bool, state: bool,
+def _kernel(ratio: int, width: int, overlap: bool, rope: int, rotate: bool, pow2: bool, quantize: bool, state: bool,
             interpret: bool):
-    name = kernel_name(ratio, width, rotate, state)
+    name = kernel_name(ratio, width, rotate, state, quantize=quantize)
     fn = name.split(".")[0]
     block_w = triton_next_pow2(width)
 
     def source() -> str:
         header = _HEADER.format(
             ratio=ratio, width=width, overlap=overlap, state=state, has_bias=not state, rope=rope, rotate=rotate,
-            pow2=pow2, block_w=block_w, fp8_block=quant.FP8_KV_BLOCK, fp4_block=quant.FP4_BLOCK,
+            quantize=quantize, pow2=pow2, block_w=block_w, fp8_block=quant.FP8_KV_BLOCK, fp4_block=quant.FP4_BLOCK,
             fp8_floor=quant.FP8_AMAX_FLOOR, fp4_floor=quant.FP4_AMAX_FLOOR, inv_sqrt_w=1.0 / math.sqrt(width))
         hadamard = _hadamard_source(block_w) if rotate else ""
         helpers = POOL_TILE + ROUND_BF16 + FORMATS_SOURCE + _GRID + hadamard + _FINISH
@@ -221,7 +230,7 @@ def per_entry_table(table: torch.Tensor, bsz: int, n_blocks: int, state: bool) -
 
 def _launch(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
             norm_weight: torch.Tensor, eps: float, ratio: int, width: int, n_blocks: int, rotate: bool,
-            pow2: bool, state: bool) -> torch.Tensor:
+            pow2: bool, quantize: bool, state: bool) -> torch.Tensor:
     bsz = kv.shape[0]
     ape = score if ape is None else ape  # a decode state's bias is in its scores: the kernel reads none
     rope = 2 * cos.shape[-1]
@@ -231,7 +240,7 @@ def _launch(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor | None, cos
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     overlap = kv.shape[-1] == 2 * width
-    name, kernel = _kernel(ratio, width, overlap, rope, rotate, pow2, state, kv.device.type != "cuda")
+    name, kernel = _kernel(ratio, width, overlap, rope, rotate, pow2, quantize, state, kv.device.type != "cuda")
     out = torch.empty(bsz, n_blocks, width, dtype=torch.bfloat16, device=kv.device)
     if out.numel():
         config = launch_config(ratio, width, state)
@@ -252,26 +261,28 @@ def _launch(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor | None, cos
 
 def entry_bodies(launch: Callable[..., torch.Tensor], backend: str) -> tuple[Callable[..., torch.Tensor], ...]:
     """The bodies of ``v4compile::compressor_entries`` and ``v4compile::compressor_entry_state`` for a backend
-    whose ``launch(kv, score, ape, cos, sin, norm_weight, eps, ratio, width, n_blocks, rotate, pow2, state)``
+    whose ``launch(kv, score, ape, cos, sin, norm_weight, eps, ratio, width, n_blocks, rotate, pow2, quantize,
+    state)``
     runs its kernel (``ape`` None for a decode state, whose scores already hold the bias); dims the kernel does
     not take (``supports``) run the reference, which names what is wrong."""
 
     def compressor_entries(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, width: int,
                            n_blocks: int, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor,
-                           eps: float, rotate: bool, pow2_scales: bool) -> torch.Tensor:
-        if supports(width, 2 * cos.shape[-1], rotate):
+                           eps: float, rotate: bool, pow2_scales: bool, quantize: bool) -> torch.Tensor:
+        if supports(width, 2 * cos.shape[-1], rotate, quantize):
             return reference.compressor_entries(kv, score, ape, ratio, width, n_blocks, cos, sin, norm_weight, eps,
-                                                rotate, pow2_scales)
-        return launch(kv, score, ape, cos, sin, norm_weight, eps, ratio, width, n_blocks, rotate, pow2_scales, False)
+                                                rotate, pow2_scales, quantize)
+        return launch(kv, score, ape, cos, sin, norm_weight, eps, ratio, width, n_blocks, rotate, pow2_scales, quantize,
+                      False)
 
     def compressor_entry_state(kv_state: torch.Tensor, score_state: torch.Tensor, ratio: int, width: int,
                                cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                               rotate: bool, pow2_scales: bool) -> torch.Tensor:
-        if supports(width, 2 * cos.shape[-1], rotate):
+                               rotate: bool, pow2_scales: bool, quantize: bool) -> torch.Tensor:
+        if supports(width, 2 * cos.shape[-1], rotate, quantize):
             return reference.compressor_entry_state(kv_state, score_state, ratio, width, cos, sin, norm_weight, eps,
-                                                    rotate, pow2_scales)
+                                                    rotate, pow2_scales, quantize)
         return launch(kv_state, score_state, None, cos, sin, norm_weight, eps, ratio, width, 1, rotate, pow2_scales,
-                      True)
+                      quantize, True)
 
     compressor_entries.__doc__ = f"{backend} body of ``v4compile::compressor_entries``."
     compressor_entry_state.__doc__ = f"{backend} body of ``v4compile::compressor_entry_state``."
