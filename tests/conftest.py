@@ -36,46 +36,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-_LOWER_FOR_SM90 = """
-import importlib.util, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-path, kernel, signature, constexprs, aligned, num_warps = sys.argv[1], sys.argv[2], *map(json.loads, sys.argv[3:])
-spec = importlib.util.spec_from_file_location("lowered_kernel", path)
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-names = list(signature)
-attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-compiled = triton.compile(ASTSource(fn=getattr(module, kernel), signature=signature, constexprs=constexprs,
-                                    attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-print(compiled.asm["ptx"])
-"""
-
-
 @pytest.fixture(scope="session")
 def sm90_ptx() -> Callable[..., str]:
-    """Compiles a kernel of a generated Triton source for an sm_90 GPU with Triton's own compiler (no GPU needed, in
-    a process without the interpreter the CPU tests run under) and returns its PTX: what the GPU would run, checked
-    on the CPU (the interpreter accepts code the compiler rejects)."""
+    """``codegen.triton.hopper.sm90_ptx``: a generated kernel's PTX for an sm_90 GPU from Triton's own compiler (no
+    GPU needed): what the GPU would run, checked on the CPU (the interpreter accepts code the compiler rejects)."""
     pytest.importorskip("triton.backends.nvidia")
-
-    def lower(source: str, kernel: str, signature: dict[str, str], constexprs: dict[str, object],
-              aligned: list[str], num_warps: int) -> str:
-        import json
-        import subprocess
-        import sys
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / "lowered_kernel.py"
-            path.write_text(source)
-            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-            done = subprocess.run([sys.executable, "-c", _LOWER_FOR_SM90, str(path), kernel, json.dumps(signature),
-                                   json.dumps(constexprs), json.dumps(aligned), json.dumps(num_warps)],
-                                  capture_output=True, text=True, env=env, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return done.stdout
+    from v4compile.codegen.triton.hopper import sm90_ptx as lower
 
     return lower
 

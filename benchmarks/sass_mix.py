@@ -1,0 +1,112 @@
+"""The weight-streaming kernels' issue cost, without a GPU: each kernel's main loop in SASS for sm_90 (lowered on this
+machine with Triton's compiler and the ``ptxas`` it bundles, with the launch's tile and alignment), as instructions
+per weight against what the byte rate allows.
+
+A decode GEMM reads each weight once, so it keeps up with the copy rate only if its SMs issue the loop's instructions
+for a weight in the time the weight's bytes take to arrive: 132 SMs x 4 schedulers x 32 lanes x ~1.75 GHz = about
+29.6 thread-instructions per ns, against 2 weights a byte (FP4) or 1 (FP8) at the copy rate. Below that budget a
+kernel can be bandwidth-bound; above it, it is issue-bound at about budget / count of the byte rate (less in
+practice: stalls). The proxy leaves out latency, occupancy and cache effects; GPU timings (``moe.py``, ``gemm.py``)
+are what count. The MoE rows hold for every decode batch up to about 680 tokens (16 pairs an expert or fewer share
+the one-token tile); prefill tiles reuse each weight for many rows, so this budget does not apply to them.
+
+    python benchmarks/sass_mix.py [--out results-sass-mix.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+from v4compile.codegen.triton import fp8_linear, moe
+from v4compile.codegen.triton.hopper import main_loop, sm90_ptx, sm90_sass
+
+ISSUE_RATE = 132 * 4 * 32 * 1.75e9
+"""Thread-instructions per second an H100 or H200 issues at most (SMs x schedulers x lanes x clock)."""
+COPY_RATES = {"H100": 3.0e12, "H200": 4.25e12}
+"""Measured device-to-device copy rates, bytes per second (RESULTS.md, Machines)."""
+DIVISIBLE_INTS = ("N", "K", "k_part", "s_a", "s_o", "s_op", "s_w", "s_s", "s_we", "s_se", "M", "s_x", "s_c",
+                  "s_ws", "s_part")
+
+
+@dataclass
+class Case:
+    """One kernel at one launch configuration: what it streams an iteration of its main loop."""
+
+    name: str
+    source: str
+    kernel: str
+    signature: dict[str, str]
+    constexprs: dict[str, object]
+    num_warps: int
+    weights: int
+    """Weights the whole program reads per iteration."""
+    weights_per_byte: int
+
+
+def _moe_case(tokens: int, gated: bool) -> Case:
+    """``moe_gemm`` for FP4 experts at V4-Flash's shape (256 experts, top-6, dim 4096, inter 2048)."""
+    from v4compile.codegen.triton.moe_kernels import SOURCE
+
+    config = moe.launch_config(6 * tokens, 256, tokens, 4096, 2048, True, "fp4")
+    bn = config["BN1"] if gated else config["BN2"]
+    types = {"A": "*bf16", "WEIGHTS": "*fp32", "SORTED": "*i32", "COUNTS": "*i32", "W_A": "*u8", "W_B": "*u8",
+             "S_A": "*u8", "S_B": "*u8", "OUT": "*bf16", "limit": "fp32"}
+    names = ("A WEIGHTS SORTED COUNTS W_A W_B S_A S_B OUT n_local top_k N K k_part s_a s_o s_op s_w s_s s_we s_se "
+             "limit").split()
+    constexprs = {"GATED": gated, "CLAMP": True, "PARTIAL": False, "BM": config["BM"], "BN": bn, "BK": config["BK"],
+                  "E_BLOCK": 256, "TL_DOT": True}
+    return Case(f"moe_gemm {'w1+w3' if gated else 'w2'}, {tokens} tokens (BM {config['BM']}, BN {bn})",
+                SOURCE.format(fmt="fp4", dot="bfloat16"), "moe_gemm",
+                {n: types.get(n, "i32") for n in names} | dict.fromkeys(constexprs, "constexpr"), constexprs,
+                config["num_warps"], (2 if gated else 1) * bn * config["BK"], 2)
+
+
+def _fp8_case(rows: int, n: int, k: int) -> Case:
+    """``fp8_gemm`` of the FP8 linear at its decode configuration."""
+    config = fp8_linear.launch_config(rows, n, k, True)
+    types = {"X": "*bf16", "CODES": "*fp8e4nv", "SCALES": "*fp32", "W": "*fp8e4nv", "S": "*u8", "OUT": "*bf16",
+             "PARTS": "*fp32", "COUNTER": "*i32"}
+    names = "X CODES SCALES W S OUT PARTS COUNTER M N K s_x s_c s_s s_w s_ws s_o s_part".split()
+    quant = bool(config["QUANT"])
+    constexprs = {"POW2": True, "FP8_DOT": True, "TL_DOT": True, "QUANT": quant, "HW_CAST": True, "BM": config["BM"],
+                  "BN": config["BN"], "GROUP": 1, "SPLIT": config["SPLIT"], "OUT_BF16": True}
+    return Case(f"fp8_gemm, {rows} rows, N {n}, K {k} (BN {config['BN']}, split {config['SPLIT']})",
+                fp8_linear._SOURCE.format(dot="bfloat16"), "fp8_gemm",
+                {n_: types.get(n_, "i32") for n_ in names} | dict.fromkeys(constexprs, "constexpr"), constexprs,
+                config["num_warps"], config["BN"] * 128, 1)
+
+
+def measure(case: Case) -> dict[str, object]:
+    """The case's main loop: instructions a thread issues per iteration, per weight, and the budgets."""
+    divisible = [n for n, t in case.signature.items() if t.startswith("*") or n in DIVISIBLE_INTS]
+    ptx = sm90_ptx(case.source, case.kernel, case.signature, case.constexprs, divisible, case.num_warps)
+    loop = main_loop(sm90_sass(ptx))
+    threads = 32 * case.num_warps
+    budget = {card: round(ISSUE_RATE / (rate * case.weights_per_byte), 2) for card, rate in COPY_RATES.items()}
+    return {"case": case.name, "loop_instructions": loop.instructions,
+            "per_weight": round(loop.per(case.weights, threads), 2), "budget": budget,
+            "opcodes": dict(loop.opcodes.most_common(8))}
+
+
+def main() -> None:
+    """Lowers every case and prints the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args()
+    cases = [_moe_case(1, True), _moe_case(1, False), _fp8_case(1, 4096, 8192), _fp8_case(16, 32768, 1024)]
+    rows = [measure(c) for c in cases]
+    print("| kernel, launch | SASS a loop iteration (per thread) | per weight | budget H100 / H200 | top opcodes |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        top = ", ".join(f"{k} {v}" for k, v in list(r["opcodes"].items())[:5])
+        print(f"| {r['case']} | {r['loop_instructions']} | {r['per_weight']} | {r['budget']['H100']} / "
+              f"{r['budget']['H200']} | {top} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

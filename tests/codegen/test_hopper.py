@@ -1,0 +1,65 @@
+"""Kernels as the H100/H200 would run them, produced on the CPU: PTX from Triton's compiler, SASS from its bundled
+``ptxas``, and the main loop's instruction mix (``codegen/triton/hopper.py``; ``benchmarks/sass_mix.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from v4compile.codegen.triton import moe
+from v4compile.codegen.triton.hopper import main_loop, sm90_ptx, sm90_sass
+from v4compile.codegen.triton.moe_kernels import SOURCE
+
+pytest.importorskip("triton.backends.nvidia")
+
+_MOE_TYPES = {"A": "*bf16", "WEIGHTS": "*fp32", "SORTED": "*i32", "COUNTS": "*i32", "W_A": "*u8", "W_B": "*u8",
+              "S_A": "*u8", "S_B": "*u8", "OUT": "*bf16", "limit": "fp32"}
+_MOE_ARGS = "A WEIGHTS SORTED COUNTS W_A W_B S_A S_B OUT n_local top_k N K k_part s_a s_o s_op s_w s_s s_we s_se limit"
+
+
+def test_the_moe_decode_tiles_main_loop_holds_its_mmas() -> None:
+    """The gated FP4 GEMM at one token (V4-Flash's shape): the loop found is the K loop, one iteration of which
+    runs the tile's tensor-core MMAs (2 weights x BK/16 k-steps x BN/8 column tiles, shared by the warps) and
+    vector-loads the packed weights (no byte loads: the launch's alignment hints are applied)."""
+    config = moe.launch_config(6, 256, 1, 4096, 2048, True, "fp4")
+    constexprs = {"GATED": True, "CLAMP": True, "PARTIAL": False, "BM": config["BM"], "BN": config["BN1"],
+                  "BK": config["BK"], "E_BLOCK": 256, "TL_DOT": True}
+    signature = {n: _MOE_TYPES.get(n, "i32") for n in _MOE_ARGS.split()} | dict.fromkeys(constexprs, "constexpr")
+    divisible = [n for n, t in signature.items() if t.startswith("*")] + ["N", "K", "k_part", "s_a", "s_w", "s_s",
+                                                                          "s_we", "s_se", "s_o", "s_op"]
+    ptx = sm90_ptx(SOURCE.format(fmt="fp4", dot="bfloat16"), "moe_gemm", signature, constexprs, divisible,
+                   config["num_warps"])
+    sass = sm90_sass(ptx)
+    loop = main_loop(sass)
+    mmas = 2 * (config["BK"] // 16) * (config["BN1"] // 8) // config["num_warps"]
+    assert loop.opcodes["HMMA"] == mmas and sum(t.startswith("HMMA") for t in sass) >= mmas
+    assert 0 < loop.instructions < len(sass)
+    assert not any(".U8" in t and t.startswith("LDG") for t in sass)
+    weights = 2 * config["BN1"] * config["BK"]
+    assert loop.per(weights, 32 * config["num_warps"]) == loop.instructions * 32 * config["num_warps"] / weights
+
+
+def test_a_kernel_the_gpu_compiler_rejects_is_named() -> None:
+    """A jit function whose branches return different types (the interpreter runs it, the GPU's compiler does not):
+    the error names the kernel and carries the compiler's reason."""
+    source = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pick(x, FLAG: tl.constexpr):
+    if FLAG:
+        return x.to(tl.int32)
+    return x
+
+
+@triton.jit
+def bad(X, n, FLAG: tl.constexpr):
+    i = tl.arange(0, 16)
+    v = tl.load(X + i)
+    if n > 0:
+        v = _pick(v, FLAG)
+    tl.store(X + i, v)
+'''
+    with pytest.raises(RuntimeError, match=r"lowering bad for sm_90 failed(.|\n)*Return type mismatch"):
+        sm90_ptx(source, "bad", {"X": "*fp32", "n": "i32", "FLAG": "constexpr"}, {"FLAG": True}, ["X"], 1)
