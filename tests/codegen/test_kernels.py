@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from v4compile.codegen import ops, reference
 from v4compile.codegen.registry import REGISTRY
 from v4compile.codegen.triton import radix_topk as radix_topk_triton
+from v4compile.codegen.triton.compressor import triton_next_pow2
 
 FAST = ("triton", "tilelang")
 
@@ -521,3 +522,31 @@ def test_paged_sparse_attention_loads_entries_16_bytes_at_a_time_on_hopper(sm90_
     assert paged.get("cp.async.cg.shared.global", 0) == gathered["cp.async.cg.shared.global"]
     assert "ld.global.b16" not in paged
     assert unhinted.get("ld.global.b16", 0) > 0  # without the alignment the keys must load element by element
+
+
+@pytest.mark.parametrize(("ratio", "width", "rotate", "quantize", "state"), [
+    (4, 512, False, True, False), (4, 128, True, True, True), (4, 128, False, False, False),
+    (128, 512, False, False, True), (128, 512, False, True, False),
+])
+def test_compressor_entries_compile_for_hopper(ratio: int, width: int, rotate: bool, quantize: bool, state: bool,
+                                               sm90_ptx: Callable[..., str]) -> None:
+    """The fused pooling + finish as the GPU compiles it, every finish form (FP8, Hadamard + FP4, bf16 for
+    transformers' V4) and both forms (prefill, decode state), at V4-Flash's widths and the launch's tiles: the
+    interpreter accepts code Triton's GPU compiler rejects. A C128 entry split over programs takes its ticket with an
+    acquire-release atomic after a barrier."""
+    from v4compile.codegen.triton.compressor_finish import _kernel, launch_config
+
+    name, _ = _kernel(ratio, width, ratio == 4, 64, rotate, True, quantize, state, True)
+    config = launch_config(ratio, width, state)
+    fn = name.split(".")[0]
+    signature = {**dict.fromkeys(("KV", "SCORE", "APE", "COS", "SIN", "NORM_W"), "*fp32"), "OUT": "*bf16",
+                 "POOLED": "*fp32", "TICKETS": "*i32",
+                 **dict.fromkeys(("n_blocks", "s_kb", "s_ks", "s_ob", "s_on", "s_cb", "s_cn"), "i32"), "eps": "fp32"}
+    constexprs = {k: config[k] for k in ("BLOCK_J", "CHUNK", "BLOCK_D")}
+    divisible = ["KV", "SCORE", "APE", "COS", "SIN", "NORM_W", "POOLED", "OUT", "TICKETS", "s_kb", "s_ks", "s_ob"]
+    ptx = sm90_ptx(REGISTRY.records[name].source, fn, signature | dict.fromkeys(constexprs, "constexpr"), constexprs,
+                   divisible, config["num_warps"])
+    assert f".entry {fn}" in ptx
+    if config["BLOCK_D"] < triton_next_pow2(width):
+        release = ptx.index("atom.global.gpu.acq_rel.add")
+        assert "bar.sync" in ptx[:release]
