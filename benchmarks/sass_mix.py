@@ -51,30 +51,23 @@ def _moe_case(tokens: int, gated: bool) -> Case:
 
     config = moe.launch_config(6 * tokens, 256, tokens, 4096, 2048, True, "fp4")
     bn = config["BN1"] if gated else config["BN2"]
-    types = {"A": "*bf16", "WEIGHTS": "*fp32", "SORTED": "*i32", "COUNTS": "*i32", "W_A": "*u8", "W_B": "*u8",
-             "S_A": "*u8", "S_B": "*u8", "OUT": "*bf16", "limit": "fp32"}
-    names = ("A WEIGHTS SORTED COUNTS W_A W_B S_A S_B OUT n_local top_k N K k_part s_a s_o s_op s_w s_s s_we s_se "
-             "limit").split()
     constexprs = {"GATED": gated, "CLAMP": True, "PARTIAL": False, "BM": config["BM"], "BN": bn, "BK": config["BK"],
                   "E_BLOCK": 256, "TL_DOT": True}
     return Case(f"moe_gemm {'w1+w3' if gated else 'w2'}, {tokens} tokens (BM {config['BM']}, BN {bn})",
                 SOURCE.format(fmt="fp4", dot="bfloat16"), "moe_gemm",
-                {n: types.get(n, "i32") for n in names} | dict.fromkeys(constexprs, "constexpr"), constexprs,
+                moe.GEMM_SIGNATURE | dict.fromkeys(constexprs, "constexpr"), constexprs,
                 config["num_warps"], (2 if gated else 1) * bn * config["BK"], 2)
 
 
 def _fp8_case(rows: int, n: int, k: int) -> Case:
     """``fp8_gemm`` of the FP8 linear at its decode configuration."""
     config = fp8_linear.launch_config(rows, n, k, True)
-    types = {"X": "*bf16", "CODES": "*fp8e4nv", "SCALES": "*fp32", "W": "*fp8e4nv", "S": "*u8", "OUT": "*bf16",
-             "PARTS": "*fp32", "COUNTER": "*i32"}
-    names = "X CODES SCALES W S OUT PARTS COUNTER M N K s_x s_c s_s s_w s_ws s_o s_part".split()
     quant = bool(config["QUANT"])
     constexprs = {"POW2": True, "FP8_DOT": True, "TL_DOT": True, "QUANT": quant, "HW_CAST": True, "BM": config["BM"],
                   "BN": config["BN"], "GROUP": 1, "SPLIT": config["SPLIT"], "OUT_BF16": True}
     return Case(f"fp8_gemm, {rows} rows, N {n}, K {k} (BN {config['BN']}, split {config['SPLIT']})",
                 fp8_linear._SOURCE.format(dot="bfloat16"), "fp8_gemm",
-                {n_: types.get(n_, "i32") for n_ in names} | dict.fromkeys(constexprs, "constexpr"), constexprs,
+                fp8_linear.GEMM_SIGNATURE | dict.fromkeys(constexprs, "constexpr"), constexprs,
                 config["num_warps"], config["BN"] * 128, 1)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from v4compile.codegen import ops
-from v4compile.codegen.triton.fp8_linear import fp8_linear, launch_config
+from v4compile.codegen.triton.fp8_linear import GEMM_SIGNATURE, fp8_linear, launch_config
 from v4compile.model import quant
 from v4compile.model.linear import Linear
 
@@ -122,11 +122,6 @@ def test_bad_scale_shape_names_the_tensor() -> None:
         ops.fp8_linear(torch.randn(1, 128), layer.weight, layer.scale, True, torch.float32, "triton")
 
 
-_GEMM_ARGS = {"X": "*bf16", "CODES": "*fp8e4nv", "SCALES": "*fp32", "W": "*fp8e4nv", "S": "*u8", "OUT": "*bf16",
-              "PARTS": "*fp32", "COUNTER": "*i32", **dict.fromkeys(("M", "N", "K", "s_x", "s_c", "s_s", "s_w", "s_ws",
-                                                                     "s_o", "s_part"), "i32")}
-
-
 @pytest.mark.parametrize("pow2", [True, False])
 def test_the_decode_gemm_compiles_for_hopper_with_the_hardware_e4m3_conversion(
         pow2: bool, sm90_ptx: Callable[..., str]) -> None:
@@ -139,7 +134,7 @@ def test_the_decode_gemm_compiles_for_hopper_with_the_hardware_e4m3_conversion(
     assert config["QUANT"] == 1 and config["SPLIT"] > 1
     constexprs = {"POW2": pow2, "FP8_DOT": pow2, "TL_DOT": True, "QUANT": True, "HW_CAST": True, "BM": config["BM"],
                   "BN": config["BN"], "GROUP": 1, "SPLIT": config["SPLIT"], "OUT_BF16": True}
-    ptx = sm90_ptx(_SOURCE.format(dot="bfloat16"), "fp8_gemm", _GEMM_ARGS | dict.fromkeys(constexprs, "constexpr"),
+    ptx = sm90_ptx(_SOURCE.format(dot="bfloat16"), "fp8_gemm", GEMM_SIGNATURE | dict.fromkeys(constexprs, "constexpr"),
                    constexprs, ["X", "W", "OUT", "PARTS"], config["num_warps"])
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == pow2
     release = ptx.index("atom.global.gpu.acq_rel.add")

@@ -11,10 +11,6 @@ from v4compile.codegen.triton.moe_kernels import SOURCE
 
 pytest.importorskip("triton.backends.nvidia")
 
-_MOE_TYPES = {"A": "*bf16", "WEIGHTS": "*fp32", "SORTED": "*i32", "COUNTS": "*i32", "W_A": "*u8", "W_B": "*u8",
-              "S_A": "*u8", "S_B": "*u8", "OUT": "*bf16", "limit": "fp32"}
-_MOE_ARGS = "A WEIGHTS SORTED COUNTS W_A W_B S_A S_B OUT n_local top_k N K k_part s_a s_o s_op s_w s_s s_we s_se limit"
-
 
 def test_the_moe_decode_tiles_main_loop_holds_its_mmas() -> None:
     """The gated FP4 GEMM at one token (V4-Flash's shape): the loop found is the K loop, one iteration of which
@@ -23,7 +19,7 @@ def test_the_moe_decode_tiles_main_loop_holds_its_mmas() -> None:
     config = moe.launch_config(6, 256, 1, 4096, 2048, True, "fp4")
     constexprs = {"GATED": True, "CLAMP": True, "PARTIAL": False, "BM": config["BM"], "BN": config["BN1"],
                   "BK": config["BK"], "E_BLOCK": 256, "TL_DOT": True}
-    signature = {n: _MOE_TYPES.get(n, "i32") for n in _MOE_ARGS.split()} | dict.fromkeys(constexprs, "constexpr")
+    signature = moe.GEMM_SIGNATURE | dict.fromkeys(constexprs, "constexpr")
     divisible = [n for n, t in signature.items() if t.startswith("*")] + ["N", "K", "k_part", "s_a", "s_w", "s_s",
                                                                           "s_we", "s_se", "s_o", "s_op"]
     ptx = sm90_ptx(SOURCE.format(fmt="fp4", dot="bfloat16"), "moe_gemm", signature, constexprs, divisible,

@@ -534,14 +534,12 @@ def test_compressor_entries_compile_for_hopper(ratio: int, width: int, rotate: b
     transformers' V4) and both forms (prefill, decode state), at V4-Flash's widths and the launch's tiles: the
     interpreter accepts code Triton's GPU compiler rejects. A C128 entry split over programs takes its ticket with an
     acquire-release atomic after a barrier."""
-    from v4compile.codegen.triton.compressor_finish import _kernel, launch_config
+    from v4compile.codegen.triton.compressor_finish import SIGNATURE, _kernel, launch_config
 
     name, _ = _kernel(ratio, width, ratio == 4, 64, rotate, True, quantize, state, True)
     config = launch_config(ratio, width, state)
     fn = name.split(".")[0]
-    signature = {**dict.fromkeys(("KV", "SCORE", "APE", "COS", "SIN", "NORM_W"), "*fp32"), "OUT": "*bf16",
-                 "POOLED": "*fp32", "TICKETS": "*i32",
-                 **dict.fromkeys(("n_blocks", "s_kb", "s_ks", "s_ob", "s_on", "s_cb", "s_cn"), "i32"), "eps": "fp32"}
+    signature = SIGNATURE
     constexprs = {k: config[k] for k in ("BLOCK_J", "CHUNK", "BLOCK_D")}
     divisible = ["KV", "SCORE", "APE", "COS", "SIN", "NORM_W", "POOLED", "OUT", "TICKETS", "s_kb", "s_ks", "s_ob"]
     ptx = sm90_ptx(REGISTRY.records[name].source, fn, signature | dict.fromkeys(constexprs, "constexpr"), constexprs,

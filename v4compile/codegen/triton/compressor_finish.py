@@ -163,6 +163,12 @@ def _hadamard_source(n: int) -> str:
     return "\n".join(lines + ["    return x", ""])
 
 
+SIGNATURE = {**dict.fromkeys(("KV", "SCORE", "APE", "COS", "SIN", "NORM_W"), "*fp32"), "OUT": "*bf16",
+             "POOLED": "*fp32", "TICKETS": "*i32",
+             **dict.fromkeys(("n_blocks", "s_kb", "s_ks", "s_ob", "s_on", "s_cb", "s_cn"), "i32"), "eps": "fp32"}
+"""The fused kernel's arguments as Triton types, in order: for lowering it without a launch (``hopper.sm90_ptx``)."""
+
+
 def kernel_name(ratio: int, width: int, rotate: bool, state: bool, backend: str = "triton",
                 quantize: bool = True) -> str:
     """Stable kernel name, e.g. ``compressor_entries.c4.w512.fp8.triton`` (``compressor_entry_state`` for the

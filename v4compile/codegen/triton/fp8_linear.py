@@ -46,6 +46,10 @@ from .launch import GROUPED_TILE, ROUND_BF16, SPLIT_LAST, load_triton_module, lo
 
 BLOCK = 128
 SMS = 132
+GEMM_SIGNATURE = {"X": "*bf16", "CODES": "*fp8e4nv", "SCALES": "*fp32", "W": "*fp8e4nv", "S": "*u8", "OUT": "*bf16",
+                  "PARTS": "*fp32", "COUNTER": "*i32",
+                  **dict.fromkeys("M N K s_x s_c s_s s_w s_ws s_o s_part".split(), "i32")}
+"""``fp8_gemm``'s arguments as Triton types, in order: for lowering it without a launch (``hopper.sm90_ptx``)."""
 
 _SOURCE = '''
 import triton

@@ -37,6 +37,12 @@ from .moe_kernels import SOURCE
 
 FORMATS = ("fp4", "fp8", "bf16")
 QUANT_BLOCK = 128
+GEMM_SIGNATURE = {"A": "*bf16", "WEIGHTS": "*fp32", "SORTED": "*i32", "COUNTS": "*i32", "W_A": "*u8", "W_B": "*u8",
+                  "S_A": "*u8", "S_B": "*u8", "OUT": "*bf16",
+                  **dict.fromkeys("n_local top_k N K k_part s_a s_o s_op s_w s_s s_we s_se".split(), "i32"),
+                  "limit": "fp32"}
+"""``moe_gemm``'s arguments as Triton types, in order (FP4/FP8 experts, bf16 output): for lowering it without a
+launch (``hopper.sm90_ptx``)."""
 
 
 def kernel_name(fmt: str) -> str:
