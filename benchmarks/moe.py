@@ -10,6 +10,10 @@ rate.
 Run on the GPU machine from the repository root:
 
     PYTHONPATH=. python3 benchmarks/moe.py [--tokens 1 16 64 8192] [--out results.json]
+    PYTHONPATH=. python3 benchmarks/moe.py --tokens 1 16 64 --ours-only --tiles BN1=32,BN2=32 BN1=64,BN2=64
+
+``--tiles`` times ours once per launch-table override (each ``KEY=VALUE,...`` over ``moe.launch_config``'s entries),
+the way a tile choice is swept; ``--ours-only`` leaves out the eager and compiled columns.
 
 Weights follow the model's init scheme (normal with std 1/sqrt(in), then ``quant.quantize_fp4_weight``) but are
 drawn on the GPU: ``model.init.random_tensors`` draws on the CPU, which takes minutes for 768 matrices.
@@ -26,6 +30,7 @@ from kernels import bench, ceilings, graphed  # benchmarks/kernels.py: timing he
 
 from v4compile.codegen import ops
 from v4compile.codegen.registry import REGISTRY
+from v4compile.codegen.triton import moe
 from v4compile.model import V4Config, quant
 from v4compile.model.linear import GroupedLinear, Linear
 from v4compile.model.moe import MoE
@@ -49,8 +54,21 @@ def flash_moe(config: V4Config, seed: int = 0) -> MoE:
     return layer.eval()
 
 
-def row(layer: MoE, config: V4Config, tokens: int, ceil: dict[str, float], compiled_experts: Callable) -> dict:
-    """Times ours, the model's eager experts, the same compiled and the floor at ``tokens`` tokens."""
+def parse_tile(spec: str) -> dict[str, int]:
+    """``BN1=64,num_warps=2`` -> {"BN1": 64, "num_warps": 2}; a clear error naming a malformed entry."""
+    tile = {}
+    for item in spec.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or not value.strip().isdigit():
+            raise SystemExit(f"--tiles: {item!r} in {spec!r} is not KEY=INTEGER")
+        tile[key.strip()] = int(value)
+    return tile
+
+
+def row(layer: MoE, config: V4Config, tokens: int, ceil: dict[str, float], compiled_experts: Callable | None,
+        tile: dict[str, int] | None = None) -> dict:
+    """Times ours (with ``tile`` over the launch table), the model's eager experts and the same compiled (unless
+    ``compiled_experts`` is None) and the floor at ``tokens`` tokens."""
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, config.dim, device="cuda", generator=gen).bfloat16()
     input_ids = torch.zeros(1, tokens, dtype=torch.long, device="cuda")
@@ -61,7 +79,15 @@ def row(layer: MoE, config: V4Config, tokens: int, ceil: dict[str, float], compi
     args = (x, weights, ids, 0, *(w.weight for w in projections), *(w.scale for w in projections), "fp4",
             config.pow2_scales, config.swiglu_limit)
 
+    launch_table = moe.launch_config(ids.numel(), config.n_routed_experts, tokens, config.dim, config.moe_inter_dim,
+                                     True, "fp4")
+    unknown = set(tile or {}) - set(launch_table)
+    if unknown:
+        raise SystemExit(f"--tiles: {sorted(unknown)} are not launch-table entries ({sorted(launch_table)})")
+
     def ours() -> torch.Tensor:
+        if tile:
+            return moe.moe_experts(*args, config={**launch_table, **tile})
         return ops.moe_experts(*args, "triton")
 
     def eager() -> torch.Tensor:
@@ -81,8 +107,8 @@ def row(layer: MoE, config: V4Config, tokens: int, ceil: dict[str, float], compi
             raise AssertionError(f"the MoE kernel fell back: {[r.error for r in records]}")
         ours_us = bench(graphed(ours), quick=True)
         host_us = bench(ours, quick=True)
-        eager_us = bench(eager, quick=True)
-        compiled_us = bench(compiled, quick=True)
+        eager_us = bench(eager, quick=True) if compiled_experts else None
+        compiled_us = bench(compiled, quick=True) if compiled_experts else None
     touched = int(ids.unique().numel())
     matrix = config.moe_inter_dim * config.dim
     weight_bytes = touched * 3 * (matrix // 2 + matrix // quant.FP4_BLOCK)
@@ -102,24 +128,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 8192])
     parser.add_argument("--out", help="write the rows and ceilings as JSON here")
+    parser.add_argument("--tiles", nargs="+", type=parse_tile, default=[None],
+                        help="launch-table overrides to time ours with, each KEY=VALUE,...")
+    parser.add_argument("--ours-only", action="store_true", help="leave out the eager and compiled columns")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/moe.py needs a CUDA GPU")
     config = V4Config.preset("flash")
     layer = flash_moe(config)
     ceil = ceilings(quick=True)
-    compiled_experts = torch.compile(layer.experts, dynamic=True)
+    compiled_experts = None if args.ours_only else torch.compile(layer.experts, dynamic=True)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; copy "
           f"{ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s")
-    print("| tokens | ours us | eager us | torch.compile us | floor us | % of floor | note |")
-    print("|---|---|---|---|---|---|---|", flush=True)
+    print("| tokens | tile | ours us | eager us | torch.compile us | floor us | % of floor | note |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for tokens in args.tokens:
-        r = row(layer, config, tokens, ceil, compiled_experts)
-        rows.append(r)
-        print(f"| {tokens} | {r['ours_us']:.1f} | {r['eager_us']:.0f} | "
-              f"{r['compiled_us']:.0f} | {r['floor_us']:.1f} "
-              f"({r['floor']}) | {100 * r['floor_us'] / r['ours_us']:.0f}% | {r['note']} |", flush=True)
+        for tile in args.tiles:
+            r = row(layer, config, tokens, ceil, compiled_experts, tile)
+            r["tile"] = tile
+            rows.append(r)
+            eager = "-" if r["eager_us"] is None else f"{r['eager_us']:.0f}"
+            compiled = "-" if r["compiled_us"] is None else f"{r['compiled_us']:.0f}"
+            print(f"| {tokens} | {tile or 'default'} | {r['ours_us']:.1f} | {eager} | {compiled} | {r['floor_us']:.1f} "
+                  f"({r['floor']}) | {100 * r['floor_us'] / r['ours_us']:.0f}% | {r['note']} |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": ceil,
