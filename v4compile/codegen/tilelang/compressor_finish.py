@@ -112,29 +112,31 @@ def build(target):
                                     to_bf16(a * sin[b, jj, k] + c * cos[b, jj, k]))
             scratch[1, j, d] = T.if_then_else(d >= WIDTH - ROPE and d < WIDTH, turned, scratch[0, j, d])
 {hadamard}
-        for j, g, i in T.Parallel(BLOCK_J, QBLOCKS, QBLOCK):
-            if ROTATE:
-                e[j, g, i] = to_bf16(scratch[{rotated}, j, g * QBLOCK + i] * INV_SQRT_W)
-            else:
-                e[j, g, i] = T.if_then_else(g * QBLOCK + i < WIDTH - ROPE, scratch[1, j, g * QBLOCK + i], 0.0)
-        block_absmax(e, amax)
+        if QUANTIZE:
+            for j, g, i in T.Parallel(BLOCK_J, QBLOCKS, QBLOCK):
+                if ROTATE:
+                    e[j, g, i] = to_bf16(scratch[{rotated}, j, g * QBLOCK + i] * INV_SQRT_W)
+                else:
+                    e[j, g, i] = T.if_then_else(g * QBLOCK + i < WIDTH - ROPE, scratch[1, j, g * QBLOCK + i], 0.0)
+            block_absmax(e, amax)
         for j, g, i in T.Parallel(BLOCK_J, QBLOCKS, QBLOCK):
             d = g * QBLOCK + i
-            top = T.max(amax[j, g], AMAX_FLOOR)
-            # the scale amax / QMAX, rounded up to a power of two exactly: the smallest 2**k with QMAX 2**k >= amax
-            k = floor_log2(top) - LOG2_QMAX
-            k = T.if_then_else(QMAX * exp2i(k) >= top, k, k + 1)
-            if POW2 or ROTATE:
-                quantized = on_grid(T.min(T.max(e[j, g, i] * exp2i(-k), -QMAX), QMAX)) * exp2i(k)
+            if QUANTIZE:
+                top = T.max(amax[j, g], AMAX_FLOOR)
+                # the scale amax / QMAX rounded up to a power of two exactly: the smallest 2**k with QMAX 2**k >= amax
+                k = floor_log2(top) - LOG2_QMAX
+                k = T.if_then_else(QMAX * exp2i(k) >= top, k, k + 1)
+                if POW2 or ROTATE:
+                    quantized = on_grid(T.min(T.max(e[j, g, i] * exp2i(-k), -QMAX), QMAX)) * exp2i(k)
+                else:
+                    scale = top / QMAX
+                    quantized = on_grid(T.min(T.max(e[j, g, i] / scale, -QMAX), QMAX)) * scale
+                if ROTATE:
+                    value = quantized
+                else:
+                    value = T.if_then_else(d < WIDTH - ROPE, quantized, scratch[1, j, d])
             else:
-                scale = top / QMAX
-                quantized = on_grid(T.min(T.max(e[j, g, i] / scale, -QMAX), QMAX)) * scale
-            if not QUANTIZE:
                 value = scratch[1, j, d]
-            elif ROTATE:
-                value = quantized
-            else:
-                value = T.if_then_else(d < WIDTH - ROPE, quantized, scratch[1, j, d])
             value = T.if_then_else(any_nan[j] > 0.0, quiet_nan("float32"), to_bf16(value))
             if j0 + j < n_blocks and d < WIDTH:
                 out[b, j0 + j, d] = T.cast(value, OUT)
