@@ -106,12 +106,10 @@ def _finish(p, rows, COS, SIN, cs_off, NORM_W, eps, out, BLOCK_J: tl.constexpr):
     a_rot = tl.where(rope[None, :], _round_bf16(a * cos - b * sin), a)
     b_rot = tl.where(rope[None, :], _round_bf16(a * sin + b * cos), b)
     e = tl.reshape(tl.join(a_rot, b_rot), [BLOCK_J, BLOCK_W])
-    if not QUANTIZE:
-        pass
-    elif ROTATE:
+    if QUANTIZE and ROTATE:
         e = _round_bf16(_hadamard(e, BLOCK_J) * INV_SQRT_W)
         e = _simulate(e, BLOCK_J, FP4_BLOCK, 1, 0, 6.0, FP4_FLOOR, True)
-    elif WIDTH > ROPE:
+    elif QUANTIZE and WIDTH > ROPE:
         q = _simulate(tl.where((d < WIDTH - ROPE)[None, :], e, 0.0), BLOCK_J, FP8_BLOCK, 3, -6, 448.0, FP8_FLOOR, POW2)
         e = tl.where((d < WIDTH - ROPE)[None, :], q, e)
     # a NaN pooled value (a column of -inf scores) makes the model's whole entry NaN; max/min above drop NaNs
@@ -268,9 +266,8 @@ def _launch(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor | None, cos
 def entry_bodies(launch: Callable[..., torch.Tensor], backend: str) -> tuple[Callable[..., torch.Tensor], ...]:
     """The bodies of ``v4compile::compressor_entries`` and ``v4compile::compressor_entry_state`` for a backend
     whose ``launch(kv, score, ape, cos, sin, norm_weight, eps, ratio, width, n_blocks, rotate, pow2, quantize,
-    state)``
-    runs its kernel (``ape`` None for a decode state, whose scores already hold the bias); dims the kernel does
-    not take (``supports``) run the reference, which names what is wrong."""
+    state)`` runs its kernel (``ape`` None for a decode state, whose scores already hold the bias); dims the kernel
+    does not take (``supports``) run the reference, which names what is wrong."""
 
     def compressor_entries(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, width: int,
                            n_blocks: int, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor,
