@@ -48,6 +48,31 @@ def test_compressor_pool_state_matches_reference(backend: str, ratio: int, overl
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _finished_entries(backend: str, ratio: int, width: int, rope: int, state: bool, finish: tuple[bool, bool, bool],
+                      tables: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """The op's entries on ``backend`` and the reference's for random inputs (a decode state with unwritten slots, or
+    prefill blocks with a partial block left over), ``finish`` = (rotate, pow2, quantize), RoPE tables in ``tables``;
+    returns (got, want, the op's arguments)."""
+    from v4compile.model.rope import rope_cos_sin, rope_frequencies
+
+    torch.manual_seed(ratio + width + rope)
+    c, blocks = (2 if ratio == 4 else 1), 5
+    freqs = rope_frequencies(rope, 1.6e5, 65536, 16, 32, 1)
+    weight = torch.rand(width) + 0.5
+    if state:
+        kv, score = torch.randn(3, c * ratio, c * width) * 3, torch.randn(3, c * ratio, c * width) * 2
+        score[0, : c * ratio // 2] = float("-inf")  # slots not yet written
+        cos, sin = (t.to(tables) for t in rope_cos_sin(freqs, torch.tensor([0, 40000, 123456]) // ratio * ratio))
+        args = (kv, score, ratio, width, cos, sin, weight, 1e-6, *finish)
+        return ops.compressor_entry_state(*args, backend), reference.compressor_entry_state(*args), args
+    tokens = blocks * ratio + ratio // 2  # a partial block left over
+    kv, score = torch.randn(2, tokens, c * width) * 3, torch.randn(2, tokens, c * width) * 2
+    ape = torch.randn(ratio, c * width)
+    cos, sin = (t.to(tables) for t in rope_cos_sin(freqs, torch.arange(blocks) * ratio))
+    args = (kv, score, ape, ratio, width, blocks, cos, sin, weight, 1e-6, *finish)
+    return ops.compressor_entries(*args, backend), reference.compressor_entries(*args), args
+
+
 @pytest.mark.parametrize("backend", FAST)
 @pytest.mark.parametrize(("ratio", "width", "rope", "rotate", "pow2", "state"), [
     (4, 128, 64, False, True, False), (4, 128, 64, False, False, True), (4, 192, 64, False, True, False),
@@ -58,25 +83,7 @@ def test_compressor_pool_state_matches_reference(backend: str, ratio: int, overl
 def test_compressor_entries_pool_and_finish_like_the_model(backend: str, ratio: int, width: int, rope: int,
                                                            rotate: bool, pow2: bool, state: bool,
                                                            assert_finished_entries: Callable) -> None:
-    from v4compile.model.rope import rope_cos_sin, rope_frequencies
-
-    torch.manual_seed(ratio + width + rope)
-    c, blocks = (2 if ratio == 4 else 1), 5
-    freqs = rope_frequencies(rope, 1.6e5, 65536, 16, 32, 1)
-    weight = torch.rand(width) + 0.5
-    if state:
-        kv, score = torch.randn(3, c * ratio, c * width) * 3, torch.randn(3, c * ratio, c * width) * 2
-        score[0, : c * ratio // 2] = float("-inf")  # slots not yet written
-        cos, sin = rope_cos_sin(freqs, torch.tensor([0, 40000, 123456]) // ratio * ratio)
-        args = (kv, score, ratio, width, cos, sin, weight, 1e-6, rotate, pow2, True)
-        want, got = reference.compressor_entry_state(*args), ops.compressor_entry_state(*args, backend)
-    else:
-        tokens = blocks * ratio + ratio // 2  # a partial block left over
-        kv, score = torch.randn(2, tokens, c * width) * 3, torch.randn(2, tokens, c * width) * 2
-        ape = torch.randn(ratio, c * width)
-        cos, sin = rope_cos_sin(freqs, torch.arange(blocks) * ratio)
-        args = (kv, score, ape, ratio, width, blocks, cos, sin, weight, 1e-6, rotate, pow2, True)
-        want, got = reference.compressor_entries(*args), ops.compressor_entries(*args, backend)
+    got, want, _ = _finished_entries(backend, ratio, width, rope, state, (rotate, pow2, True))
     assert_finished_entries(got, want, rotate, 0.995)
     form = "hadamard_fp4" if rotate else "fp8"
     record = REGISTRY.records[f"compressor_entr{'y_state' if state else 'ies'}.c{ratio}.w{width}.{form}.{backend}"]
@@ -93,24 +100,7 @@ def test_compressor_entries_kept_bf16_like_transformers(backend: str, ratio: int
     """The finish without quantization (transformers' V4 keeps its entries bf16, with bf16 RoPE tables): the
     model's entries but where the pooling's fp32 rounding crosses a bf16 boundary (one step), any width of whole
     pairs; the rotation without its FP4 simulation is refused by name."""
-    from v4compile.model.rope import rope_cos_sin, rope_frequencies
-
-    torch.manual_seed(ratio + width + rope)
-    c, blocks = (2 if ratio == 4 else 1), 4
-    freqs = rope_frequencies(rope, 1e4, 0, 1, 32, 1)
-    weight = torch.rand(width) + 0.5
-    if state:
-        kv, score = torch.randn(3, c * ratio, c * width) * 3, torch.randn(3, c * ratio, c * width) * 2
-        cos, sin = (t.to(tables) for t in rope_cos_sin(freqs, torch.tensor([0, 4000, 12344]) // ratio * ratio))
-        args = (kv, score, ratio, width, cos, sin, weight, 1e-6, False, False, False)
-        want, got = reference.compressor_entry_state(*args), ops.compressor_entry_state(*args, backend)
-    else:
-        tokens = blocks * ratio + 1
-        kv, score = torch.randn(2, tokens, c * width) * 3, torch.randn(2, tokens, c * width) * 2
-        cos, sin = (t.to(tables) for t in rope_cos_sin(freqs, torch.arange(blocks) * ratio))
-        args = (kv, score, torch.randn(ratio, c * width), ratio, width, blocks, cos, sin, weight, 1e-6, False, False,
-                False)
-        want, got = reference.compressor_entries(*args), ops.compressor_entries(*args, backend)
+    got, want, args = _finished_entries(backend, ratio, width, rope, state, (False, False, False), tables)
     assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
     assert (got == want).float().mean() >= 0.995
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
