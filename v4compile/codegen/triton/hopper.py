@@ -89,12 +89,11 @@ class LoopMix:
 
 def main_loop(sass: list[str]) -> LoopMix:
     """The longest loop (a backward branch and the instructions from its target) of a SASS listing."""
-    addresses = [16 * i for i in range(len(sass))]
     best: list[str] = []
     for i, text in enumerate(sass):
         target = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < addresses[i]:
-            body = sass[int(target.group(1), 16) // 16:i + 1]
-            best = body if len(body) > len(best) else best
+        start = int(target.group(1), 16) // 16 if target else i  # sm_90 instructions are 16 bytes apart
+        if start < i and i + 1 - start > len(best):
+            best = sass[start:i + 1]
     opcodes = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in best)
     return LoopMix(len(best), opcodes)
