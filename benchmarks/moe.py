@@ -107,8 +107,8 @@ def row(layer: MoE, config: V4Config, tokens: int, ceil: dict[str, float], compi
             raise AssertionError(f"the MoE kernel fell back: {[r.error for r in records]}")
         ours_us = bench(graphed(ours), quick=True)
         host_us = bench(ours, quick=True)
-        eager_us = bench(eager, quick=True) if compiled_experts else None
-        compiled_us = bench(compiled, quick=True) if compiled_experts else None
+        eager_us = bench(eager, quick=True) if compiled_experts is not None else None
+        compiled_us = bench(compiled, quick=True) if compiled_experts is not None else None
     touched = int(ids.unique().numel())
     matrix = config.moe_inter_dim * config.dim
     weight_bytes = touched * 3 * (matrix // 2 + matrix // quant.FP4_BLOCK)

@@ -23,7 +23,8 @@ transformers = pytest.importorskip("transformers", reason="transformers (the dev
 
 EXPECTED = {"mhc_pre": 8, "mhc_post": 8, "sparse_attention": 4, "indexer_scores": 2, "moe_experts": 4,
             "compressor_entries": 5}
-"""Rewrites per kernel family, as on the CPU."""
+"""Rewrites per kernel family, as on the CPU (by the pass that introduces the op: on CUDA ``head_padding`` also
+reports each attention call it pads, under the same kernel name)."""
 
 
 def _cpu_test() -> ModuleType:
@@ -55,7 +56,7 @@ def test_transformers_v4_runs_our_kernels_on_cuda(tmp_path: Path, save_tiny_hf_v
         optimized(ids)  # compiles
         before = {family: _launches(family) for family in EXPECTED}
         got = optimized(ids).logits.float()[0]
-    kernels = [m.kernel for r in optimized.reports() for m in r.matches]
+    kernels = [m.kernel for r in optimized.reports() for m in r.matches if m.pass_name != "head_padding"]
     for family, count in EXPECTED.items():
         names = [k for k in kernels if k.startswith(f"{family}.")]
         assert len(names) == count and all(k.endswith(".triton") for k in names), (family, names)
