@@ -1,4 +1,4 @@
-"""The optimized whole step against its floor, with a per-category profile (H200).
+"""The optimized whole step against its floor, with a per-category profile.
 
 One phase per process (``--phase "decode b16"`` or ``--phase "prefill 8192"``) on the slice of ``headline.py``:
 compiles ``v4compile.optimize``, replays decode from a CUDA graph, profiles ``--reps`` steps with torch.profiler and
@@ -6,10 +6,11 @@ sorts the GPU kernel time into categories (dense GEMM, MoE, attention, compresso
 ``ms`` is the sum of kernel times, ``wall_ms`` the step's elapsed time (streams overlap kernels), and ``--kernels
 N`` lists the N longest kernels. The floor: decode reads every non-routed weight byte, the routed experts that
 ``batch`` tokens are expected to choose (``E * (1 - (1 - k/E)^batch)`` per layer) and the KV the step attends to,
-over the measured copy rate; prefill is its matmul FLOPs over the measured FP8 tensor-core rate. A prefill computes
-the head at its last position only (``--logits last``, as the runtime samples; ``all`` for scoring). ``--turn`` /
-``--turns`` / ``--of`` let several phases compile at once and profile one at a time: each profiles once every phase
-has warmed up (so no compilation shares the GPU with a profile) and the phase before it has finished::
+over the copy rate; prefill is its matmul FLOPs over the FP8 tensor-core rate; both rates are measured on the card
+at hand before the timing (``copy_tb_s``, ``fp8_tflop_s``), and ``x_floor`` is ``wall_ms`` over the floor. A prefill
+computes the head at its last position only (``--logits last``, as the runtime samples; ``all`` for scoring).
+``--turn`` / ``--turns`` / ``--of`` let several phases compile at once and profile one at a time: each profiles once
+every phase has warmed up (so no compilation shares the GPU with a profile) and the phase before it has finished::
 
     PYTHONPATH=$PWD python3 benchmarks/step_profile.py --phase "decode b1" --experts 16
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,8 +32,8 @@ from v4compile.model.cache import PAGE_TOKENS, V4Cache
 from v4compile.model.pages import EntryPages
 from v4compile.runtime.cache_manager import pages_for
 
-COPY_RATE = 4.25e12  # bytes/s, device-to-device copy measured on the H200 (shared/device/README.md)
-FP8_RATE = 1256e12  # FLOP/s, FP8 torch._scaled_mm at 8192^3 measured there (benchmarks/gemm.py)
+H200_COPY_RATE = 4.25e12  # bytes/s, device-to-device copy measured on the H200 (shared/device/README.md)
+H200_FP8_RATE = 1256e12  # FLOP/s, FP8 torch._scaled_mm at 8192^3 measured there (benchmarks/gemm.py)
 CATEGORIES = (("MoE", ("moe",)), ("attention", ("sparse_attention", "attention")), ("compressor", ("compressor",)),
               ("top-k", ("radix", "topk", "sort")), ("mHC", ("mhc",)), ("indexer", ("indexer",)),
               ("dense GEMM", ("gemm", "gemv", "matmul", "_mm", "cutlass", "xmma", "nvjet", "splitk", "fp8_quant",
@@ -52,7 +54,37 @@ def _expert_bytes(model: v4compile.DeepSeekV4) -> tuple[int, int]:
     return routed, sum(sizes.values()) - routed
 
 
-def decode_floor(model: v4compile.DeepSeekV4, batch: int, context: int) -> float:
+def measured_rates(device: str) -> tuple[float, float]:
+    """(device-to-device copy rate in bytes/s counting bytes read and written, FP8 ``torch._scaled_mm`` rate at
+    8192^3 in FLOP/s) of this card, the best of 10 timed calls each: the floors' denominators, measured where the
+    step runs (the H200's figures elsewhere)."""
+    if not device.startswith("cuda"):
+        return H200_COPY_RATE, H200_FP8_RATE
+
+    def best(call: Callable[[], object], reps: int = 10) -> float:
+        call()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return min(times)
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy = 2 * src.numel() / best(lambda: dst.copy_(src))
+    n = 8192
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+    fp8 = 2 * n ** 3 / best(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    return copy, fp8
+
+
+def decode_floor(model: v4compile.DeepSeekV4, batch: int, context: int, copy_rate: float) -> float:
     """Seconds: the bytes a decode step must read over the copy rate."""
     c = model.config
     routed, rest = _expert_bytes(model)
@@ -65,10 +97,10 @@ def decode_floor(model: v4compile.DeepSeekV4, batch: int, context: int) -> float
             kv += min(c.index_topk, context // 4) * c.head_dim * 2 + context // 4 * c.index_head_dim * 2
         elif ratio == 128:
             kv += context // 128 * c.head_dim * 2
-    return (rest + experts + batch * kv) / COPY_RATE
+    return (rest + experts + batch * kv) / copy_rate
 
 
-def prefill_floor(model: v4compile.DeepSeekV4, tokens: int, last: bool) -> float:
+def prefill_floor(model: v4compile.DeepSeekV4, tokens: int, last: bool, fp8_rate: float) -> float:
     """Seconds: the prefill's matmul FLOPs (weights once per token, the output head once per token or, ``last``,
     once; routed experts k times, attention over the window and the selected entries) over the measured FP8
     tensor-core rate."""
@@ -84,7 +116,7 @@ def prefill_floor(model: v4compile.DeepSeekV4, tokens: int, last: bool) -> float
     for ratio in c.layer_ratios:
         keys = c.window_size + (min(c.index_topk, tokens // 4) if ratio == 4 else tokens // 128 if ratio else 0)
         flops += 4 * tokens * keys * c.n_heads * c.head_dim
-    return flops / FP8_RATE
+    return flops / fp8_rate
 
 
 def paged_cache(model: torch.nn.Module, rows: int, tokens: int, seed: int) -> V4Cache:
@@ -136,7 +168,6 @@ def main() -> None:
             positions = torch.full((size,), args.context, device=args.device)
             optimized.decode_step(ids, positions, cache)
             step = graphed(lambda: optimized.decode_step(ids, positions, cache))
-            floor = decode_floor(model, size, args.context)
         else:
             ids = torch.randint(0, model.config.vocab_size, (1, size), device=args.device)
             cache = model.new_cache(1, size + 64)
@@ -145,13 +176,15 @@ def main() -> None:
             else:
                 step = lambda: optimized.logits(optimized.hidden_states(ids, cache)[:, -1:])  # noqa: E731
             step()
-            floor = prefill_floor(model, size, args.logits == "last")
         if args.turns:
             turns = Path(args.turns)
             (turns / f"ready{args.turn}").touch()
             while not ((turns / f"turn{args.turn}").exists()
                        and all((turns / f"ready{i}").exists() for i in range(args.of))):
                 time.sleep(0.5)
+        copy_rate, fp8_rate = measured_rates(args.device)
+        floor = (decode_floor(model, size, args.context, copy_rate) if decode
+                 else prefill_floor(model, size, args.logits == "last", fp8_rate))
         step()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -174,9 +207,9 @@ def main() -> None:
             per_kernel.append((us / args.reps, event.count // args.reps, event.key))
     ms = sum(per_category.values()) / 1e3
     row = {"phase": args.phase + (" streams" if args.streams else ""), "ms": round(ms, 3), "wall_ms": round(wall_ms, 3),
-           "floor_ms": round(floor * 1e3, 3),
-           "x_floor": round(ms / (floor * 1e3), 2),
-           "tokens_per_s": round(size / (ms / 1e3), 1),
+           "floor_ms": round(floor * 1e3, 3), "x_floor": round(wall_ms / (floor * 1e3), 2),
+           "copy_tb_s": round(copy_rate / 1e12, 2), "fp8_tflop_s": round(fp8_rate / 1e12),
+           "tokens_per_s": round(size / (wall_ms / 1e3), 1),
            "categories_ms": {k: round(v / 1e3, 3) for k, v in sorted(per_category.items(), key=lambda kv: -kv[1])}}
     if args.kernels:
         row["kernels"] = [{"us": round(us, 1), "calls": calls, "category": category(name), "name": name[:160]}

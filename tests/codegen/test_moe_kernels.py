@@ -105,16 +105,18 @@ def test_repeated_ids_count_once(expert_sets: dict) -> None:
     torch.testing.assert_close(got[::2], once, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("fmt", "pow2", "tokens"), [("fp4", True, 1), ("fp4", False, 40), ("fp8", True, 9),
-                                               ("bf16", False, 3)])
-def test_the_gpu_formulation_runs_under_the_interpreter(fmt: str, pow2: bool, tokens: int) -> None:
+@pytest.mark.parametrize(("fmt", "pow2", "tokens", "swap"), [
+    ("fp4", True, 1, False), ("fp4", False, 40, False), ("fp8", True, 9, False), ("bf16", False, 3, False),
+    ("fp4", True, 1, True), ("fp4", False, 13, True), ("fp8", True, 9, True)])
+def test_the_gpu_formulation_runs_under_the_interpreter(fmt: str, pow2: bool, tokens: int, swap: bool) -> None:
     """``tl_dot`` (the GPU's path: microscaled ``tl.dot_scaled`` for FP4/FP8, ``tl.dot`` for bf16) instead of the
-    interpreter's broadcast product: the same results."""
+    interpreter's broadcast product: the same results; ``swap`` (the decode tiles' transposed product, 8-row tiles,
+    K blocks of 256) too."""
     experts = make_experts(fmt, pow2)
     x = (torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(tokens)) * 2).bfloat16()
     weights, ids = routing(tokens, EXPERTS, TOP_K, seed=tokens)
     config = {**moe.launch_config(tokens * TOP_K, EXPERTS, tokens, DIM, INTER, cuda=False), "tl_dot": True,
-              "BM": 16, "BK": 128}
+              "BM": 8 if swap else 16, "BK": 256 if swap else 128, "swap": swap}
     args = (x, weights, ids, 0, *weights_of(experts), fmt, pow2, LIMIT)
     with torch.no_grad():
         got = moe.moe_experts(*args, config=config)

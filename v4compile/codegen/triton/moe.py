@@ -52,32 +52,36 @@ def kernel_name(fmt: str) -> str:
 
 def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, cuda: bool, fmt: str = "fp4"
                   ) -> dict[str, int]:
-    """Row tiles sized by the mean pairs per expert (16 rows, the tensor cores' minimum, while decoding, on two
-    warps; 32 up to 64 pairs an expert; 128 rows on 128-wide output blocks beyond; FP4 experts beyond 128 pairs,
-    256 rows, so each widened weight serves twice the rows: the widening's integer work had matched the tensor work,
-    8192 tokens on the H100 took 9.99 against 11.64 ms per Flash layer, bitwise the same; not measured for FP8 and
-    bf16 experts),
-    K blocks of 128 (the quantization block; ``BK`` is the largest K block, each GEMM takes the largest that fits
-    its K in whole quantization blocks), each the fastest measured at V4-Flash's shape on the H200 (256 experts
-    at 1, 64 and 8192 tokens, 16 at 64: benchmarks/NOTES.md); the interpreter gets few, large programs (its
-    cost is per program and op, not per element). ``programs``: a GEMM with fewer programs than this splits its K
-    into parts until it has about that many (one token on the H100: the gated GEMM's 384 programs fill under half
-    a wave, two parts took the layer from 94.3 to 86.5 us; more parts were slower)."""
+    """Row tiles sized by the mean pairs per expert. While decoding (16 pairs an expert or fewer) the products are
+    computed transposed (``swap``): the weights are the tensor cores' 16-row operand and an expert's 8 (or 16) pairs
+    the column operand, 32 weight rows on two warps, K blocks of 256, three stages. One Flash layer on the H100 at 1
+    / 16 / 64 tokens: 86.8 / 585.2 / 1424.9 us against 93.6 / 717.9 / 1719.4 for the 16-row tile it replaced (the
+    activation's 16-row padding gone: 4.8 SASS instructions a weight in the loop against 5.4-6.0, and the loop
+    is issue-bound; ``benchmarks/sass_mix.py``, NOTES.md 33rd). Beyond: 32 rows up to 64 pairs an expert; 128 rows
+    on 128-wide output blocks; FP4 experts beyond 128 pairs, 256 rows, so each widened weight serves twice the rows
+    (8192 tokens on the H100 took 9.99 against 11.64 ms per Flash layer, bitwise the same; not measured for FP8 and
+    bf16 experts); K blocks of 128 (the quantization block; ``BK`` is the largest K block, each GEMM takes the
+    largest that fits its K in whole quantization blocks), each the fastest measured at V4-Flash's shape on the H200
+    (256 experts at 1, 64 and 8192 tokens, 16 at 64: benchmarks/NOTES.md); the interpreter gets few, large programs
+    (its cost is per program and op, not per element). ``programs``: a GEMM with fewer programs than this splits
+    its K into parts until it has about that many (one token on the H100: the gated GEMM's 384 programs fill under
+    half a wave, two parts took the layer from 94.3 to 86.5 us; more parts were slower)."""
     if not cuda:
         return {"programs": 0, "BM": 16, "BN1": min(256, triton_next_pow2(inter)),
                 "BN2": min(256, triton_next_pow2(dim)),
-                "BK": 512, "BT": 64, "BD": triton_next_pow2(dim), "BR": 64, "tl_dot": False, "num_warps": 4,
-                "num_stages": 1}
+                "BK": 512, "BT": 64, "BD": triton_next_pow2(dim), "BR": 64, "tl_dot": False, "swap": False,
+                "num_warps": 4, "num_stages": 1}
     per_expert = pairs / max(n_local, 1)
     if per_expert <= 16:
-        tiles = {"BM": 16, "BN1": 32, "BN2": 32, "num_warps": 2, "num_stages": 4}
+        tiles = {"BM": 8 if per_expert <= 8 else 16, "BN1": 32, "BN2": 32, "BK": 256, "swap": True, "num_warps": 2,
+                 "num_stages": 3}
     elif per_expert <= 64:
         tiles = {"BM": 32, "BN1": 64, "BN2": 64, "num_warps": 4, "num_stages": 3}
     elif per_expert <= 128 or fmt != "fp4":
         tiles = {"BM": 128, "BN1": 128, "BN2": 128, "num_warps": 8, "num_stages": 3}
     else:
         tiles = {"BM": 256, "BN1": 64, "BN2": 128, "num_warps": 8, "num_stages": 2}
-    return {**tiles, "programs": 1024, "BK": 128, "BT": 1 if tokens < 512 else 4, "BD": 512, "BR": 16,
+    return {"BK": 128, "swap": False, **tiles, "programs": 1024, "BT": 1 if tokens < 512 else 4, "BD": 512, "BR": 16,
             "tl_dot": True}
 
 
@@ -212,7 +216,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
             a, weights, order, counts, *w, dst, n_local, top_k, n, k, split[1], a.stride(0),
             dst.stride(-2), dst.stride(0) if partial else 0, *row, w[0].stride(0), scale_stride, float(limit),
             GATED=gated, CLAMP=limit > 0, PARTIAL=partial, BM=bm, BN=bn, BK=k_block(k), E_BLOCK=e_block,
-            TL_DOT=config["tl_dot"], num_warps=warps, num_stages=stages)
+            TL_DOT=config["tl_dot"], SWAP=config["swap"], num_warps=warps, num_stages=stages)
 
     split1 = parts(inter, dim, config["BN1"])
     split2 = parts(dim, inter, config["BN2"])

@@ -148,33 +148,44 @@ def _dot_w(a0, a1, W, S, n, nm, k0, K, s_w, s_s, BK: tl.constexpr, TL_DOT: tl.co
 
 
 @triton.jit
-def _dot_scaled(a, acc, W, S, n, nm, k0, s_w, s_s, BK: tl.constexpr):
+def _dot_scaled(a, acc, W, S, n, nm, k0, s_w, s_s, BK: tl.constexpr, SWAP: tl.constexpr):
     # acc + a [BM, BK] (bf16 values, natural column order) times the expert weight rows n, columns k0..k0+BK as
     # microscaled operands: e2m1 codes with their e8m0 scale per 32, or e4m3 codes with their 128x128 block's
     # scale repeated per 32; Triton upcasts them to bf16 exactly (e2m1/e4m3 times a power of two). fast_math: scale
-    # bytes 0 and 255 are not special-cased (read as 0, not 2^-127 / NaN); the quantizer writes only 1..254
+    # bytes 0 and 255 are not special-cased (read as 0, not 2^-127 / NaN); the quantizer writes only 1..254.
+    # SWAP: the transposed product, a as [BK, BM] and acc as [BN, BM]: the weights are the MMA's row operand, so
+    # few tokens pad the MMA's 8-wide column side instead of its 16-row side
     g = k0 // 32 + tl.arange(0, BK // 32)
     if FMT == "fp4":
         j = k0 // 2 + tl.arange(0, BK // 2)
         w = tl.load(W + n[:, None] * s_w + j[None, :], mask=nm[:, None], other=0)
         scale = tl.load(S + n[:, None] * s_s + g[None, :], mask=nm[:, None], other=127)
-        return tl.dot_scaled(a, None, "bf16", tl.trans(w), scale, "e2m1", acc, fast_math=True)
-    k = k0 + tl.arange(0, BK)
-    w = tl.load(W + n[:, None] * s_w + k[None, :], mask=nm[:, None], other=0).to(tl.float8e4nv, bitcast=True)
-    scale = tl.load(S + (n // 128)[:, None] * s_s + (g // 4)[None, :], mask=nm[:, None], other=127)
-    return tl.dot_scaled(a, None, "bf16", tl.trans(w), scale, "e4m3", acc, fast_math=True)
+        if SWAP:
+            acc = tl.dot_scaled(w, scale, "e2m1", a, None, "bf16", acc, fast_math=True)
+        else:
+            acc = tl.dot_scaled(a, None, "bf16", tl.trans(w), scale, "e2m1", acc, fast_math=True)
+    else:
+        k = k0 + tl.arange(0, BK)
+        w = tl.load(W + n[:, None] * s_w + k[None, :], mask=nm[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+        scale = tl.load(S + (n // 128)[:, None] * s_s + (g // 4)[None, :], mask=nm[:, None], other=127)
+        if SWAP:
+            acc = tl.dot_scaled(w, scale, "e4m3", a, None, "bf16", acc, fast_math=True)
+        else:
+            acc = tl.dot_scaled(a, None, "bf16", tl.trans(w), scale, "e4m3", acc, fast_math=True)
+    return acc
 
 
 @triton.jit
 def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k, N, K, k_part,
              s_a, s_o, s_op, s_w, s_s, s_we, s_se, limit, GATED: tl.constexpr, CLAMP: tl.constexpr,
              PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_BLOCK: tl.constexpr,
-             TL_DOT: tl.constexpr):
+             TL_DOT: tl.constexpr, SWAP: tl.constexpr):
     # GATED: OUT[slot] = bf16(weight * silu(min(bf16(A W_A^T), L)) * clamp(bf16(A W_B^T), -L, L)) with A's
     # rows gathered by token; else OUT[slot] = bf16(A[slot] W_A^T). Expert e's weight is W + e * s_we (its
     # scale S + e * s_se) in the stacked tensors. Programs of one row tile are adjacent (its rows stay in L2).
     # PARTIAL: program_id(1) sums only K columns [k_part * id, k_part * (id + 1)) and stores its fp32 sums at
-    # OUT + id * s_op (A W_A^T at column n, A W_B^T at N + n); the finishing kernels add the parts in order
+    # OUT + id * s_op (A W_A^T at column n, A W_B^T at N + n); the finishing kernels add the parts in order.
+    # SWAP (FP4/FP8 on tensor cores): the products computed transposed (``_dot_scaled``)
     tile = tl.program_id(0) // tl.cdiv(N, BN)
     nb = tl.program_id(0) % tl.cdiv(N, BN)
     e, row0, offset, count = _locate(COUNTS, n_local, tile, BM, E_BLOCK)
@@ -198,13 +209,24 @@ def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k
     acc_b = tl.zeros([BM, BN], tl.float32)
     k_lo = tl.program_id(1) * k_part
     k_hi = tl.minimum(k_lo + k_part, K)
-    if FMT != "bf16" and TL_DOT:
+    if FMT != "bf16" and TL_DOT and SWAP:
+        acc_ta = tl.zeros([BN, BM], tl.float32)
+        acc_tb = tl.zeros([BN, BM], tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            k = k0 + tl.arange(0, BK)
+            a = tl.load(A + rows[None, :] * s_a + k[:, None], mask=rm[None, :], other=0.0)
+            acc_ta = _dot_scaled(a, acc_ta, wa, sa, n, nm, k0, s_w, s_s, BK, True)
+            if GATED:
+                acc_tb = _dot_scaled(a, acc_tb, wb, sb, n, nm, k0, s_w, s_s, BK, True)
+        acc_a = tl.trans(acc_ta)
+        acc_b = tl.trans(acc_tb)
+    elif FMT != "bf16" and TL_DOT:
         for k0 in range(k_lo, k_hi, BK):
             k = k0 + tl.arange(0, BK)
             a = tl.load(A + rows[:, None] * s_a + k[None, :], mask=rm[:, None], other=0.0)
-            acc_a = _dot_scaled(a, acc_a, wa, sa, n, nm, k0, s_w, s_s, BK)
+            acc_a = _dot_scaled(a, acc_a, wa, sa, n, nm, k0, s_w, s_s, BK, False)
             if GATED:
-                acc_b = _dot_scaled(a, acc_b, wb, sb, n, nm, k0, s_w, s_s, BK)
+                acc_b = _dot_scaled(a, acc_b, wb, sb, n, nm, k0, s_w, s_s, BK, False)
     else:
         for k0 in range(k_lo, k_hi, BK):
             if FMT == "fp4":
