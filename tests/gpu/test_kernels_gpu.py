@@ -146,6 +146,20 @@ def test_indexer_scores_cuda(batch: int, keys: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("widened", [True, False])
+def test_indexer_scores_of_fp32_queries_cuda(widened: bool) -> None:
+    """transformers' indexer multiplies fp32 (bf16 widened) queries and keys: the kernel's three TF32 products stay
+    within fp32 rounding of a float64 product, for widened bf16 values and for any fp32 values."""
+    q = torch.randn(2, 300, 64, 128, device="cuda")
+    k = torch.randn(2, 1000, 128, device="cuda")
+    w = torch.randn(2, 300, 64, device="cuda")
+    if widened:
+        q, k = q.bfloat16().float(), k.bfloat16().float()
+    got = ops.indexer_scores(q, k, w, "triton")
+    want = reference.indexer_scores(q.double(), k.double(), w.double()).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 @pytest.mark.parametrize(("batch", "pages"), [(1, 128), (16, 32), (64, 32)])
 def test_paged_kernels_read_pages_in_place_cuda(batch: int, pages: int) -> None:
     """Flash's decode shapes on scattered pages (32 entries a page): attention over ring + entries and the indexer's
