@@ -1,7 +1,7 @@
 """transformers' DeepSeek-V4 optimized on the GPU with the default backend (Triton kernels, Inductor): the tiny random
 model of tests/passes/test_hf_model.py runs the kernels its report lists (mHC pre/post, the attention of every layer
-read through its mask, the indexer's scoring, the MoE of every layer, the compressors' pooling with their bf16
-finish), and its logits stay within the CPU test's bounds of transformers' eager output."""
+read through its mask, the indexer's scoring and top-k, the MoE of every layer, the compressors' pooling with their
+bf16 finish), and its logits stay within the CPU test's bounds of transformers' eager output."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers", reason="transformers (the dev extra) is not installed here")
 
 EXPECTED = {"mhc_pre": 8, "mhc_post": 8, "sparse_attention": 4, "indexer_scores": 2, "moe_experts": 4,
-            "compressor_entries": 5}
-"""Rewrites per kernel family, as on the CPU (by the pass that introduces the op: on CUDA ``head_padding`` also
-reports each attention call it pads, under the same kernel name)."""
+            "compressor_entries": 5, "radix_topk": 2}
+"""Rewrites per kernel family, as on the CPU, and the indexer's top-k, which only CUDA rewrites (its torch.topk takes
+tied scores by lowest index, as the kernel does); counted by the pass that introduces the op (on CUDA
+``head_padding`` also reports each attention call it pads, under the same kernel name)."""
 
 
 def _cpu_test() -> ModuleType:

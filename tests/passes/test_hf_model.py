@@ -26,8 +26,9 @@ transformers = pytest.importorskip("transformers")
 SEQ = 160  # past one C128 block and 40 C4 entries: every layer kind attends to compressed entries
 
 NOT_YET = {("radix_topk", "radix_topk"): "topk over the indexer's relu-weighted scores"}
-"""Kernels our model gets and transformers' does not, with the near-miss that says why (``torch.topk`` over relu
-scores meets exact ties, whose order torch does not define: the rewrite is opt-in there, ``any_ties``)."""
+"""Kernels our model gets and transformers' does not on the CPU, with the near-miss that says why (``torch.topk``
+over relu scores meets exact ties, which the CPU's topk does not take by lowest index: the rewrite is opt-in there,
+``any_ties``; on CUDA it is made)."""
 
 
 @pytest.fixture(scope="module")
@@ -331,9 +332,10 @@ def test_compressor_pooling_matches_in_either_spelling(ratio: int, spelling: str
 
 @pytest.mark.parametrize("any_ties", [False, True])
 def test_topk_over_indexer_scores_is_rewritten_only_when_any_tie_order_will_do(any_ties: bool) -> None:
-    """transformers' indexer selection: topk over relu-weighted scores with future entries at -inf. Its ties (0 where
-    every head's dot is negative, common with few heads) follow torch.topk's unspecified order, so the pass declines
-    unless option ``any_ties``; rewritten, the ids are the stable sort's (ties to the lowest index)."""
+    """transformers' indexer selection on the CPU: topk over relu-weighted scores with future entries at -inf. Its
+    ties (0 where every head's dot is negative, common with few heads) follow the CPU's torch.topk order, not the
+    kernel's, so the pass declines unless option ``any_ties``; rewritten, the ids are the stable sort's (ties to the
+    lowest index). On CUDA, whose torch.topk takes the kernel's set, it is rewritten (the GPU test of the model)."""
     from v4compile.passes.radix_topk import RadixTopK
 
     def select(q, keys, w, future):

@@ -4,12 +4,14 @@ maxima, a gathering pass and a rank, with radix rounds for heavy ties; see codeg
 Matches the indexer's ``sort(descending, stable)[..., :k]`` (optionally with its ``-inf -> -1`` masking of the ids)
 and any ``topk(k <= max_k)`` over at least ``min_candidates`` candidates. The kernel returns the same values and ids:
 descending, ties to the lowest index. A ``topk`` over the lightning indexer's scores (``sum_h w * relu(q . k)``,
-future entries masked to -inf: transformers' spelling of the indexer's selection) is a near-miss at any size: the
-relu makes exact ties common (a score is 0 wherever every head's dot is negative), and that model's results follow
-``torch.topk``'s tie order, not the kernel's (measured on a tiny transformers V4 with two index heads: rewritten, the
-top token moved from 91% to 85% of positions equal to its eager run and the median logit cosine from 0.99987 to
-0.9987). ``torch.topk``'s tie order is unspecified (CPU and CUDA differ), so option ``any_ties`` rewrites it anyway,
-at any candidate count like the stable-sort spelling, for a user who accepts the kernel's.
+future entries masked to -inf: transformers' spelling of the indexer's selection) is rewritten at any size on CUDA
+and is a near-miss on the CPU. The relu makes exact ties common (a score is 0 wherever every head's dot is
+negative), so the selected set depends on the tie order: on CUDA ``torch.topk`` takes the tied values at the k-th
+place in index order, the set the kernel takes (measured on the H100 in 21 tie-heavy cases, 40 to 262144 candidates,
+k 4 and 512: every set equal; benchmarks/NOTES.md 33rd); on the CPU it does not (measured on a tiny transformers V4
+with two index heads: rewritten there, the top token moved from 91% to 85% of positions equal to its eager run and
+the median logit cosine from 0.99987 to 0.9987). Option ``any_ties`` rewrites it on the CPU too, for a user who
+accepts the kernel's ties.
 """
 
 from __future__ import annotations
@@ -84,8 +86,8 @@ class RadixTopK(GraphPass):
                    "min_candidates": "smallest candidate count for plain topk (default 4096)",
                    "official_ties": "keep every plain topk (set by optimize for a model with index_ties='official', "
                                     "whose indexer needs torch.topk's own tie order)",
-                   "any_ties": "also rewrite topk over the lightning indexer's scores, taking the kernel's tie order "
-                               "(lowest index) where torch.topk's is unspecified"}
+                   "any_ties": "also rewrite topk over the lightning indexer's scores on the CPU, taking the kernel's "
+                               "tie order (lowest index) where the CPU's torch.topk takes others"}
 
     def candidates(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
         """Every sort and topk."""
@@ -118,15 +120,18 @@ class RadixTopK(GraphPass):
         if k > max_k:
             raise NoMatch(f"k = {k} exceeds the select kernel's maximum {max_k}")
         indexer = _indexer_scores(x)
-        if indexer and not self.options.get("any_ties"):
-            raise NoMatch("topk over the indexer's relu-weighted scores: exact ties (0 where every head's dot is "
-                          "negative) are common, and the model follows torch.topk's tie order, not the kernel's "
-                          "lowest index (the stable-sort spelling of the selection is rewritten; option any_ties "
-                          "rewrites this one too)")
+        val = x.meta.get("val")
+        cuda = val is not None and val.device.type == "cuda"
+        if indexer and not cuda and not self.options.get("any_ties"):
+            raise NoMatch("topk over the indexer's relu-weighted scores on the CPU: exact ties (0 where every head's "
+                          "dot is negative) are common, and the CPU's torch.topk does not take them by lowest index "
+                          "as the kernel (and CUDA's torch.topk) do (the stable-sort spelling of the selection is "
+                          "rewritten; option any_ties rewrites this one too)")
         if dims[-1] < min_candidates and not indexer:
             raise NoMatch(f"only {dims[-1]} candidates (< {min_candidates}): torch.topk is already cheap")
         return Rewrite(node, ops.radix_topk, (x, k, False, ctx.backend), _kernel_name(k, ctx),
-                       {"source": "indexer topk (kernel's ties)" if indexer else "topk", "k": k,
+                       {"source": ("indexer topk (kernel's ties)" if not cuda else "indexer topk (CUDA's tie set)")
+                        if indexer else "topk", "k": k,
                         "candidates": dims[-1]})
 
     def _sort(self, node: fx.Node, dims: tuple[int, ...], ctx: RewriteContext) -> Rewrite:
