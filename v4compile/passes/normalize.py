@@ -10,6 +10,11 @@ Every rule here is exact (the normalised graph computes bitwise the same values,
   returns the input itself, so the aliasing is unchanged);
 - ``dropout`` that drops nothing (p = 0 or not training) -> its input;
 - ``pow(x, 2)`` -> ``square(x)`` (ATen computes ``square`` as that ``pow``);
+- on CUDA, the real and imaginary parts of ``polar(ones_like(a), a)`` -> ``cos(a)`` and ``sin(a)`` (the RoPE
+  tables' spelling; Inductor generates no code for complex values, so ``polar`` ran as its own kernel): CUDA's
+  ``polar`` computes ``1 * cos(a)`` and ``1 * sin(a)``, bitwise what Inductor's ``cos``/``sin`` compute there
+  (measured on the H100 over 4.8M angles: benchmarks/NOTES.md 33rd); on the CPU the two differ by an ulp in places,
+  so the rule is CUDA's only;
 - a fresh constant buffer filled by ``copy_`` into its slices, then read -> the ``cat`` of what was written
   (``passes/buffer_writes.py``).
 
@@ -52,6 +57,8 @@ def normalize(gm: fx.GraphModule) -> dict[str, int]:
             square.meta.update(node.meta)
             node.replace_all_uses_with(square)
             counts["pow(x, 2) -> square"] += 1
+        elif is_op(node, aten.polar):
+            counts["unit polar -> cos, sin (CUDA)"] += _unit_polar_to_cos_sin(node)
     counts["slice writes -> cat"] += writes_to_cat(gm)
     counts = +counts
     if counts:
@@ -110,6 +117,38 @@ def _unbind_to_selects(node: fx.Node) -> int:
         getter.replace_all_uses_with(piece)
         graph.erase_node(getter)
     return len(getters)
+
+
+def _unit_polar_to_cos_sin(node: fx.Node) -> int:
+    """The parts of ``polar(ones_like(a), a)`` (``real`` / ``imag``, or ``select(view_as_real(.), -1, 0 / 1)``) ->
+    ``cos(a)`` / ``sin(a)`` on CUDA, when its parts are all the complex value is read as; 1 if rewritten, else 0."""
+    magnitude, angle = node.args[:2]
+    val = node.meta.get("val")
+    if not (isinstance(val, torch.Tensor) and val.device.type == "cuda" and is_op(magnitude, aten.ones_like)
+            and magnitude.args[0] is angle and isinstance(angle, fx.Node)):
+        return 0
+    parts: list[tuple[fx.Node, bool]] = []
+    for user in node.users:
+        if is_op(user, aten.real, aten.imag):
+            parts.append((user, is_op(user, aten.imag)))
+            continue
+        if not is_op(user, aten.view_as_real):
+            return 0
+        for part in user.users:
+            last = is_op(part, aten.select) and part.args[1] % (val.dim() + 1) == val.dim()
+            if not (last and part.args[2] in (0, 1)):
+                return 0
+            parts.append((part, part.args[2] == 1))
+    graph, angle_val = node.graph, angle.meta.get("val")
+    for part, imaginary in parts:
+        with graph.inserting_before(part):
+            value = graph.call_function(aten.sin.default if imaginary else aten.cos.default, (angle,))
+        value.meta.update(part.meta)
+        if isinstance(angle_val, torch.Tensor):
+            value.meta["val"] = torch.empty_like(angle_val)
+        part.replace_all_uses_with(value)
+        graph.erase_node(part)
+    return 1
 
 
 def _noop_cast(node: fx.Node) -> bool:
