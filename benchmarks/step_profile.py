@@ -10,7 +10,9 @@ over the copy rate; prefill is its matmul FLOPs over the FP8 tensor-core rate; b
 at hand before the timing (``copy_tb_s``, ``fp8_tflop_s``), and ``x_floor`` is ``wall_ms`` over the floor. A prefill
 computes the head at its last position only (``--logits last``, as the runtime samples; ``all`` for scoring).
 ``--turn`` / ``--turns`` / ``--of`` let several phases compile at once and profile one at a time: each profiles once
-every phase has warmed up (so no compilation shares the GPU with a profile) and the phase before it has finished::
+every phase has warmed up (so no compilation shares the GPU with a profile) and the phase before it has finished.
+``--inductor KEY=VALUE ...`` sets Inductor options for the run (e.g. ``combo_kernels=True``, which launches
+independent small kernels as one), recorded in the row::
 
     PYTHONPATH=$PWD python3 benchmarks/step_profile.py --phase "decode b1" --experts 16
 """
@@ -131,6 +133,27 @@ def paged_cache(model: torch.nn.Module, rows: int, tokens: int, seed: int) -> V4
     return cache
 
 
+def inductor_settings(items: list[str]) -> dict[str, object]:
+    """``["combo_kernels=True", ...]`` -> {"combo_kernels": True}; a clear error naming an unknown setting or a
+    malformed item."""
+    import ast
+
+    import torch._inductor.config
+
+    settings: dict[str, object] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--inductor: {item!r} is not KEY=VALUE")
+        if key not in torch._inductor.config._config:
+            raise SystemExit(f"--inductor: {key!r} is not an Inductor setting (torch._inductor.config)")
+        try:
+            settings[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            settings[key] = value
+    return settings
+
+
 def main() -> None:
     """Profiles one phase and prints one JSON row."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -150,10 +173,15 @@ def main() -> None:
     parser.add_argument("--kernels", type=int, default=0, help="also list this many of the step's longest kernels")
     parser.add_argument("--pages", action="store_true",
                         help="decode on shared entry pages (the engine's layout), each row's pages scattered")
+    parser.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="Inductor settings for this run, e.g. combo_kernels=True (torch._inductor.config)")
     parser.add_argument("--turn", type=int, default=0)
     parser.add_argument("--turns", default="", help="folder of turn files (empty: profile at once)")
     parser.add_argument("--of", type=int, default=1, help="how many phases share the turn folder")
     args = parser.parse_args()
+    settings = inductor_settings(args.inductor)
+    for key, value in settings.items():
+        setattr(torch._inductor.config, key, value)
     decode = args.phase.startswith("decode")
     size = int(args.phase.split()[-1].removeprefix("b"))
     model = build_slice(args.layers, max(args.context, size) + 64, args.small, args.experts, args.device)
@@ -206,7 +234,8 @@ def main() -> None:
             per_category[category(event.key)] = per_category.get(category(event.key), 0.0) + us / args.reps
             per_kernel.append((us / args.reps, event.count // args.reps, event.key))
     ms = sum(per_category.values()) / 1e3
-    row = {"phase": args.phase + (" streams" if args.streams else ""), "ms": round(ms, 3), "wall_ms": round(wall_ms, 3),
+    row = {"phase": args.phase + (" streams" if args.streams else ""), "inductor": settings,
+           "ms": round(ms, 3), "wall_ms": round(wall_ms, 3),
            "floor_ms": round(floor * 1e3, 3), "x_floor": round(wall_ms / (floor * 1e3), 2),
            "copy_tb_s": round(copy_rate / 1e12, 2), "fp8_tflop_s": round(fp8_rate / 1e12),
            "tokens_per_s": round(size / (wall_ms / 1e3), 1),
