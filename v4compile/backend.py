@@ -37,18 +37,11 @@ def to_aten(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
     return _retrace(gm, example_inputs, pre_dispatch=True)
 
 
-NOT_INLINED = {"mhc_pre": "its Sinkhorn (2 x iters - 1 normalisations of an n x n matrix, unrolled) took Inductor "
-                          "about 19 s of the tiny model's 75 s first decode step on the CPU, for 0.4-2.5 ms of an "
-                          "11-13 ms step (benchmarks/NOTES.md 33rd)"}
-"""Ops whose reference bodies ``inline_reference_bodies`` leaves as calls, and why."""
-
-
 def inline_reference_bodies(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
-    """``gm`` retraced with each custom op (but those in ``NOT_INLINED``) replaced by its reference body's ATen ops,
-    so that Inductor compiles the ops' math into its own code with its default decompositions: a custom table
-    handed to ``compile_fx`` would be part of its FX graph cache key and, being unpicklable, turn that cache off (no
-    warm starts)."""
-    table = reference_decompositions(leave_out=NOT_INLINED)
+    """``gm`` retraced with each custom op replaced by its reference body's ATen ops, so that Inductor compiles
+    the ops' math into its own code with its default decompositions: a custom table handed to ``compile_fx``
+    would be part of its FX graph cache key and, being unpicklable, turn that cache off (no warm starts)."""
+    table = reference_decompositions()
     if not any(n.op == "call_function" and n.target in table for n in gm.graph.nodes):
         return gm
     return _retrace(gm, example_inputs, pre_dispatch=False, decompositions=table)

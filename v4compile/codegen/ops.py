@@ -3,7 +3,7 @@ bodies are generated kernels chosen by the ``backend`` argument (visible in ever
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -407,12 +407,11 @@ _reference_backward(fp32_linear, "fp32_linear")
 
 
 # ----------------------------------------------------------------------------- reference bodies for Inductor
-def reference_decompositions(leave_out: Collection[str] = ()) -> dict[Any, Callable[..., Any]]:
-    """Each custom op (but those named in ``leave_out``) decomposed into its reference body: handed to Inductor, the
-    ops' math becomes part of Inductor's own generated code (C++ on the CPU) instead of an opaque call back into
-    eager PyTorch."""
+def reference_decompositions() -> dict[Any, Callable[..., Any]]:
+    """Each custom op decomposed into its reference body: handed to Inductor, the ops' math becomes part of
+    Inductor's own generated code (C++ on the CPU) instead of an opaque call back into eager PyTorch."""
 
     def body(name: str, inputs: int) -> Callable[..., Any]:
         return lambda *args: getattr(reference, name)(*args[:inputs])
 
-    return {op: body(name, inputs) for op, (name, inputs) in _REFERENCE_BODIES.items() if name not in leave_out}
+    return {op: body(name, inputs) for op, (name, inputs) in _REFERENCE_BODIES.items()}
