@@ -7,8 +7,9 @@ for a weight in the time the weight's bytes take to arrive: 132 SMs x 4 schedule
 29.6 thread-instructions per ns, against 2 weights a byte (FP4) or 1 (FP8) at the copy rate. Below that budget a
 kernel can be bandwidth-bound; above it, it is issue-bound at about budget / count of the byte rate (less in
 practice: stalls). The proxy leaves out latency, occupancy and cache effects; GPU timings (``moe.py``, ``gemm.py``)
-are what count. The MoE rows hold for every decode batch up to about 680 tokens (16 pairs an expert or fewer share
-the one-token tile); prefill tiles reuse each weight for many rows, so this budget does not apply to them.
+are what count. The MoE rows hold for every decode batch up to about 340 tokens (8 pairs an expert or fewer share
+the one-token tile; up to 16, the same tile with 16 columns); prefill tiles reuse each weight for many rows, so this
+budget does not apply to them.
 
     python benchmarks/sass_mix.py [--out results-sass-mix.json]
 """
