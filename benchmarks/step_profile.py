@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from gemm import fp8_rate
 from headline import build_slice, fill_cache
-from kernels import graphed
+from kernels import ceilings, graphed
 
 import v4compile
 from v4compile.model.cache import PAGE_TOKENS, V4Cache
@@ -58,32 +58,11 @@ def _expert_bytes(model: v4compile.DeepSeekV4) -> tuple[int, int]:
 
 def measured_rates(device: str) -> tuple[float, float]:
     """(device-to-device copy rate in bytes/s counting bytes read and written, FP8 ``torch._scaled_mm`` rate at
-    8192^3 in FLOP/s) of this card, the best of 10 timed calls each: the floors' denominators, measured where the
-    step runs (the H200's figures elsewhere)."""
+    8192^3 in FLOP/s) of this card (``kernels.ceilings``, ``gemm.fp8_rate``): the floors' denominators, measured
+    where the step runs (the H200's figures elsewhere)."""
     if not device.startswith("cuda"):
         return H200_COPY_RATE, H200_FP8_RATE
-
-    def best(call: Callable[[], object], reps: int = 10) -> float:
-        call()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return min(times)
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy = 2 * src.numel() / best(lambda: dst.copy_(src))
-    n = 8192
-    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
-    one = torch.ones((), device=device)
-    fp8 = 2 * n ** 3 / best(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
-    return copy, fp8
+    return ceilings(quick=True)["copy_bytes_per_s"], fp8_rate()
 
 
 def decode_floor(model: v4compile.DeepSeekV4, batch: int, context: int, copy_rate: float) -> float:
