@@ -100,8 +100,7 @@ def _scores(q: torch.Tensor, keys: torch.Tensor, table: torch.Tensor | None, wei
     precision = "tf32x3" if cuda and not low else "ieee"
     name = kernel_name(dim, q.dtype, paged=paged)
     module = REGISTRY.build(name, "triton", "v4compile::indexer_scores" + ("_paged" if paged else ""),
-                            lambda: _SOURCE.format(dim=dim, round=low, dot=dot, paged=paged,
-                                                          precision=precision),
+                            lambda: _SOURCE.format(dim=dim, round=low, dot=dot, paged=paged, precision=precision),
                             lambda path: load_triton_module(path, not cuda), key=(cuda, q.dtype))
     q, keys, weights = q.contiguous(), keys.to(q.dtype).contiguous(), weights.contiguous()
     if table is None:

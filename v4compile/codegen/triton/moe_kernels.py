@@ -205,29 +205,30 @@ def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k
     sb = S_B + e.to(tl.int64) * s_se
     n = nb * BN + tl.arange(0, BN)
     nm = n < N
-    acc_a = tl.zeros([BM, BN], tl.float32)
-    acc_b = tl.zeros([BM, BN], tl.float32)
     k_lo = tl.program_id(1) * k_part
     k_hi = tl.minimum(k_lo + k_part, K)
-    if FMT != "bf16" and TL_DOT and SWAP:
-        acc_ta = tl.zeros([BN, BM], tl.float32)
-        acc_tb = tl.zeros([BN, BM], tl.float32)
+    if FMT != "bf16" and TL_DOT:
+        if SWAP:
+            acc_a = tl.zeros([BN, BM], tl.float32)
+            acc_b = tl.zeros([BN, BM], tl.float32)
+        else:
+            acc_a = tl.zeros([BM, BN], tl.float32)
+            acc_b = tl.zeros([BM, BN], tl.float32)
         for k0 in range(k_lo, k_hi, BK):
             k = k0 + tl.arange(0, BK)
-            a = tl.load(A + rows[None, :] * s_a + k[:, None], mask=rm[None, :], other=0.0)
-            acc_ta = _dot_scaled(a, acc_ta, wa, sa, n, nm, k0, s_w, s_s, BK, True)
+            if SWAP:
+                a = tl.load(A + rows[None, :] * s_a + k[:, None], mask=rm[None, :], other=0.0)
+            else:
+                a = tl.load(A + rows[:, None] * s_a + k[None, :], mask=rm[:, None], other=0.0)
+            acc_a = _dot_scaled(a, acc_a, wa, sa, n, nm, k0, s_w, s_s, BK, SWAP)
             if GATED:
-                acc_tb = _dot_scaled(a, acc_tb, wb, sb, n, nm, k0, s_w, s_s, BK, True)
-        acc_a = tl.trans(acc_ta)
-        acc_b = tl.trans(acc_tb)
-    elif FMT != "bf16" and TL_DOT:
-        for k0 in range(k_lo, k_hi, BK):
-            k = k0 + tl.arange(0, BK)
-            a = tl.load(A + rows[:, None] * s_a + k[None, :], mask=rm[:, None], other=0.0)
-            acc_a = _dot_scaled(a, acc_a, wa, sa, n, nm, k0, s_w, s_s, BK, False)
-            if GATED:
-                acc_b = _dot_scaled(a, acc_b, wb, sb, n, nm, k0, s_w, s_s, BK, False)
+                acc_b = _dot_scaled(a, acc_b, wb, sb, n, nm, k0, s_w, s_s, BK, SWAP)
+        if SWAP:
+            acc_a = tl.trans(acc_a)
+            acc_b = tl.trans(acc_b)
     else:
+        acc_a = tl.zeros([BM, BN], tl.float32)
+        acc_b = tl.zeros([BM, BN], tl.float32)
         for k0 in range(k_lo, k_hi, BK):
             if FMT == "fp4":
                 # A's 128-blocks hold their even columns first (moe_quant's PERMUTE): both halves load contiguously
