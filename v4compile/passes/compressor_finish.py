@@ -171,7 +171,7 @@ class CompressorFinish(GraphPass):
 
     def analyze(self, node: fx.Node, ctx: RewriteContext) -> Rewrite:
         """The finish after the pooled entries, on dims the finishing kernel takes."""
-        from ..codegen.triton.compressor_finish import kernel_name, supports
+        from ..codegen.triton.compressor_finish import finish_form, kernel_name, supports
 
         *pool_args, backend = node.args
         state = is_op(node, torch.ops.v4compile.compressor_pool_state)
@@ -193,6 +193,5 @@ class CompressorFinish(GraphPass):
                 finish.quantize, backend)
         return Rewrite(finish.output, getattr(ops, name), args, kernel,
                        {"form": "decode" if state else "prefill", "ratio": ratio, "width": width,
-                        "finish": "bf16" if not finish.quantize else "hadamard_fp4" if finish.rotate else "fp8",
-                        "rope": finish.rope,
+                        "finish": finish_form(finish.rotate, finish.quantize), "rope": finish.rope,
                         "pow2_scales": finish.pow2})

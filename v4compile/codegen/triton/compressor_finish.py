@@ -167,12 +167,17 @@ SIGNATURE = {**dict.fromkeys(("KV", "SCORE", "APE", "COS", "SIN", "NORM_W"), "*f
 """The fused kernel's arguments as Triton types, in order: for lowering it without a launch (``hopper.sm90_ptx``)."""
 
 
+def finish_form(rotate: bool, quantize: bool) -> str:
+    """The finish's name in kernel names and reports: ``fp8``, ``hadamard_fp4`` or ``bf16`` (kept unquantized)."""
+    return "bf16" if not quantize else "hadamard_fp4" if rotate else "fp8"
+
+
 def kernel_name(ratio: int, width: int, rotate: bool, state: bool, backend: str = "triton",
                 quantize: bool = True) -> str:
     """Stable kernel name, e.g. ``compressor_entries.c4.w512.fp8.triton`` (``compressor_entry_state`` for the
     decode form, ``.hadamard_fp4`` for the indexer branch, ``.bf16`` for entries kept bf16, ``.tilelang`` for that
     backend's kernel)."""
-    form = "bf16" if not quantize else "hadamard_fp4" if rotate else "fp8"
+    form = finish_form(rotate, quantize)
     return f"{'compressor_entry_state' if state else 'compressor_entries'}.c{ratio}.w{width}.{form}.{backend}"
 
 
