@@ -124,16 +124,18 @@ def test_the_gpu_formulation_runs_under_the_interpreter(fmt: str, pow2: bool, to
     assert_matches(got, want)
 
 
-@pytest.mark.parametrize(("fmt", "pow2", "tokens", "tl_dot"), [("fp4", True, 1, True), ("fp4", False, 7, False),
-                                                         ("fp8", True, 5, True), ("bf16", False, 4, False)])
-def test_k_split_gemms_match_the_models_experts(fmt: str, pow2: bool, tokens: int, tl_dot: bool) -> None:
+@pytest.mark.parametrize(("fmt", "pow2", "tokens", "tl_dot", "swap"), [
+    ("fp4", True, 1, True, False), ("fp4", False, 7, False, False), ("fp8", True, 5, True, False),
+    ("bf16", False, 4, False, False), ("fp4", False, 3, True, True)])
+def test_k_split_gemms_match_the_models_experts(fmt: str, pow2: bool, tokens: int, tl_dot: bool, swap: bool) -> None:
     """Few pairs split each GEMM's K among programs (the decode path: more loads in flight); the parts' fp32 sums
-    are added in a fixed order by the finishing kernels, so results repeat bitwise and stay in the model's band."""
+    are added in a fixed order by the finishing kernels, so results repeat bitwise and stay in the model's band
+    (``swap``: the decode tiles' FP4 products on weights widened in fragment order)."""
     experts = make_experts(fmt, pow2)
     x = (torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(tokens)) * 2).bfloat16()
     weights, ids = routing(tokens, EXPERTS, TOP_K, seed=tokens)
     base = {**moe.launch_config(tokens * TOP_K, EXPERTS, tokens, DIM, INTER, cuda=False), "tl_dot": tl_dot,
-            "BK": 128}
+            "BK": 128, "swap": swap, **({"BM": 8} if swap else {})}
     args = (x, weights, ids, 0, *weights_of(experts), fmt, pow2, LIMIT)
     with torch.no_grad():
         whole = moe.moe_experts(*args, config=base)
@@ -195,3 +197,19 @@ def test_halves_of_a_fused_gate_up_weight_are_read_in_place(expert_sets: dict, f
         want = ops.moe_experts(x, weights, ids, 0, w1, w3, w2, s1, s3, s2, fmt, pow2, LIMIT, "triton")
     assert not halves[0].is_contiguous()
     assert torch.equal(got, want)
+
+
+def test_one_multiply_widening_only_for_scales_it_covers() -> None:
+    """The decode tiles widen an FP4 weight with one multiply only when every scale byte is 1..128 (2^126 folded
+    into a scale of at most 2^1 stays inside bf16); a byte outside, or the tensor changed in place, is re-checked."""
+    from v4compile.codegen.triton.moe import _scales_fold
+
+    small = torch.full((4, 8, 2), 120, dtype=torch.uint8)
+    other = torch.full((4, 8, 2), 128, dtype=torch.uint8)
+    assert _scales_fold((small, other))
+    other[1, 2, 0] = 129
+    assert not _scales_fold((small, other))
+    other[1, 2, 0] = 1
+    assert _scales_fold((small, other))
+    small[0, 0, 0] = 0
+    assert not _scales_fold((small, other))

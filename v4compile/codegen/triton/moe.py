@@ -87,7 +87,7 @@ def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, c
 
 def _module(fmt: str, cuda: bool) -> object:
     return REGISTRY.build(kernel_name(fmt), "triton", "v4compile::moe_experts",
-                          lambda: SOURCE.format(fmt=fmt, dot="bfloat16" if cuda else "float32"),
+                          lambda: SOURCE.format(fmt=fmt, dot="bfloat16" if cuda else "float32", cuda=cuda),
                           lambda path: load_triton_module(path, not cuda), key=(cuda, fmt))
 
 
@@ -98,9 +98,30 @@ def simulate_fp8(x: torch.Tensor, pow2: bool) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     module.moe_quant[(triton.cdiv(x.shape[0], 16), x.shape[1] // QUANT_BLOCK)](
-        x, out, x, x.shape[0], 0, x.stride(0), out.stride(0), POW2=pow2, PERMUTE=False, COUNTED=False, BR=16,
+        x, out, x, x.shape[0], 0, x.stride(0), out.stride(0), POW2=pow2, PERMUTE=0, COUNTED=False, BR=16,
         E_BLOCK=1)
     return out
+
+
+_FOLD_CHECKED: dict[int, tuple[int, tuple[int, ...], bool]] = {}
+
+
+def _scales_fold(scales: tuple[torch.Tensor, ...]) -> bool:
+    """Whether every scale byte of these FP4 expert scales is 1..128, so the decode tiles widen a weight with one
+    multiply (2^126 folded into its scale, which then stays inside bf16's range). Checked on the host once per
+    tensor and version (one sync); while a CUDA graph is being captured an unchecked tensor takes the two-multiply
+    widening, right for every byte."""
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    fold = True
+    for s in scales:
+        known = _FOLD_CHECKED.get(s.data_ptr())
+        if known is None or known[:2] != (s._version, tuple(s.shape)):
+            if capturing:
+                return False
+            known = (s._version, tuple(s.shape), bool(((s >= 1) & (s <= 128)).all()))
+            _FOLD_CHECKED[s.data_ptr()] = known
+        fold = fold and known[2]
+    return fold
 
 
 def check_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
@@ -180,7 +201,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     counts = torch.empty(n_local, dtype=torch.int32, device=device)
     order = torch.empty(pairs, dtype=torch.int32, device=device)
     slots = torch.empty(pairs, dtype=torch.int32, device=device)
-    permute = fmt == "fp4" and not config["tl_dot"]
+    fragments = fmt == "fp4" and config["tl_dot"] and config["swap"]
+    permute = 2 if fragments else int(fmt == "fp4" and not config["tl_dot"])
+    fold = fragments and cuda and _scales_fold((s1, s3, s2))
     x_q = torch.empty_like(x) if quantized else x
     y = torch.empty(tokens, dim, dtype=torch.float32, device=device)
     tiles = min(pairs, triton.cdiv(pairs, bm) + min(n_local, pairs))
@@ -216,7 +239,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
             a, weights, order, counts, *w, dst, n_local, top_k, n, k, split[1], a.stride(0),
             dst.stride(-2), dst.stride(0) if partial else 0, *row, w[0].stride(0), scale_stride, float(limit),
             GATED=gated, CLAMP=limit > 0, PARTIAL=partial, BM=bm, BN=bn, BK=k_block(k), E_BLOCK=e_block,
-            TL_DOT=config["tl_dot"], SWAP=config["swap"], num_warps=warps, num_stages=stages)
+            TL_DOT=config["tl_dot"], SWAP=config["swap"], NW=warps if cuda else 1, FOLD=fold, num_warps=warps,
+            num_stages=stages)
 
     split1 = parts(inter, dim, config["BN1"])
     split2 = parts(dim, inter, config["BN2"])
