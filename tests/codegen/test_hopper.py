@@ -13,15 +13,15 @@ pytest.importorskip("triton.backends.nvidia")
 
 
 def test_the_moe_decode_tiles_main_loop_holds_its_mmas() -> None:
-    """The gated FP4 GEMM at one token (V4-Flash's shape): the loop found is the K loop, one iteration of which
-    runs the tile's tensor-core MMAs (2 weights x BK/16 k-steps x BN x BM / (16 x 8) output tiles, shared by the
-    warps; the decode tile computes the product transposed, the weights as the 16-row side) and
-    vector-loads the packed weights (no byte loads from memory or shared memory: the launch's alignment hints are
-    applied, and the weights are widened in the MMA's fragment order, not read back byte by byte)."""
+    """The gated FP4 GEMM at one token (V4-Flash's shape, weights widened in fragment order): the loop found is the
+    K loop, one iteration of which runs the tile's tensor-core MMAs (2 weights x BK/16 k-steps x BN x BM / (16 x 8)
+    output tiles, shared by the warps; the decode tile computes the product transposed, the weights as the 16-row
+    side) and vector-loads the packed weights (no byte loads from memory or shared memory: the launch's alignment
+    hints are applied, and the weights are widened in the MMA's fragment order, not read back byte by byte)."""
     config = moe.launch_config(6, 256, 1, 4096, 2048, True, "fp4")
     constexprs = {"GATED": True, "CLAMP": True, "PARTIAL": False, "BM": config["BM"], "BN": config["BN1"],
                   "BK": config["BK"], "E_BLOCK": 256, "TL_DOT": True, "SWAP": config["swap"],
-                  "NW": config["num_warps"], "FOLD": True}
+                  "FRAGMENTS": True, "NW": config["num_warps"], "FOLD": True}
     signature = moe.GEMM_SIGNATURE | dict.fromkeys(constexprs, "constexpr")
     divisible = [n for n, t in signature.items() if t.startswith("*")] + ["N", "K", "k_part", "s_a", "s_w", "s_s",
                                                                           "s_we", "s_se", "s_o", "s_op"]

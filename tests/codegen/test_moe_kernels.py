@@ -105,18 +105,21 @@ def test_repeated_ids_count_once(expert_sets: dict) -> None:
     torch.testing.assert_close(got[::2], once, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("fmt", "pow2", "tokens", "swap"), [
-    ("fp4", True, 1, False), ("fp4", False, 40, False), ("fp8", True, 9, False), ("bf16", False, 3, False),
-    ("fp4", True, 1, True), ("fp4", False, 13, True), ("fp8", True, 9, True)])
-def test_the_gpu_formulation_runs_under_the_interpreter(fmt: str, pow2: bool, tokens: int, swap: bool) -> None:
+@pytest.mark.parametrize(("fmt", "pow2", "tokens", "swap", "fragments"), [
+    ("fp4", True, 1, False, False), ("fp4", False, 40, False, False), ("fp8", True, 9, False, False),
+    ("bf16", False, 3, False, False), ("fp4", True, 1, True, False), ("fp4", False, 13, True, False),
+    ("fp8", True, 9, True, False), ("fp4", True, 1, True, True), ("fp4", False, 13, True, True)])
+def test_the_gpu_formulation_runs_under_the_interpreter(fmt: str, pow2: bool, tokens: int, swap: bool,
+                                                         fragments: bool) -> None:
     """``tl_dot`` (the GPU's path: microscaled ``tl.dot_scaled`` for FP4/FP8, ``tl.dot`` for bf16) instead of the
     interpreter's broadcast product: the same results; ``swap`` (the decode tiles' transposed product, 8-row tiles,
-    K blocks of 256) too."""
+    K blocks of 256) too, and ``fragments`` (its FP4 weights widened in fragment order, the activations stored in
+    that column order)."""
     experts = make_experts(fmt, pow2)
     x = (torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(tokens)) * 2).bfloat16()
     weights, ids = routing(tokens, EXPERTS, TOP_K, seed=tokens)
     config = {**moe.launch_config(tokens * TOP_K, EXPERTS, tokens, DIM, INTER, cuda=False), "tl_dot": True,
-              "BM": 8 if swap else 16, "BK": 256 if swap else 128, "swap": swap}
+              "BM": 8 if swap else 16, "BK": 256 if swap else 128, "swap": swap, "fragments": fragments}
     args = (x, weights, ids, 0, *weights_of(experts), fmt, pow2, LIMIT)
     with torch.no_grad():
         got = moe.moe_experts(*args, config=config)
@@ -135,7 +138,7 @@ def test_k_split_gemms_match_the_models_experts(fmt: str, pow2: bool, tokens: in
     x = (torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(tokens)) * 2).bfloat16()
     weights, ids = routing(tokens, EXPERTS, TOP_K, seed=tokens)
     base = {**moe.launch_config(tokens * TOP_K, EXPERTS, tokens, DIM, INTER, cuda=False), "tl_dot": tl_dot,
-            "BK": 128, "swap": swap, **({"BM": 8} if swap else {})}
+            "BK": 128, "swap": swap, "fragments": swap, **({"BM": 8} if swap else {})}
     args = (x, weights, ids, 0, *weights_of(experts), fmt, pow2, LIMIT)
     with torch.no_grad():
         whole = moe.moe_experts(*args, config=base)

@@ -65,12 +65,14 @@ def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, c
     (256 experts at 1, 64 and 8192 tokens, 16 at 64: benchmarks/NOTES.md); the interpreter gets few, large programs
     (its cost is per program and op, not per element). ``programs``: a GEMM with fewer programs than this splits
     its K into parts until it has about that many (one token on the H100: the gated GEMM's 384 programs fill under
-    half a wave, two parts took the layer from 94.3 to 86.5 us; more parts were slower)."""
+    half a wave, two parts took the layer from 94.3 to 86.5 us; more parts were slower). ``fragments`` (FP4, ``swap``
+    tiles): weights widened in the MMA's fragment order instead of ``tl.dot_scaled`` (``moe_kernels.py``); off until
+    timed on a GPU."""
     if not cuda:
         return {"programs": 0, "BM": 16, "BN1": min(256, triton_next_pow2(inter)),
                 "BN2": min(256, triton_next_pow2(dim)),
                 "BK": 512, "BT": 64, "BD": triton_next_pow2(dim), "BR": 64, "tl_dot": False, "swap": False,
-                "num_warps": 4, "num_stages": 1}
+                "fragments": False, "num_warps": 4, "num_stages": 1}
     per_expert = pairs / max(n_local, 1)
     if per_expert <= 16:
         tiles = {"BM": 8 if per_expert <= 8 else 16, "BN1": 32, "BN2": 32, "BK": 256, "swap": True, "num_warps": 2,
@@ -81,8 +83,8 @@ def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, c
         tiles = {"BM": 128, "BN1": 128, "BN2": 128, "num_warps": 8, "num_stages": 3}
     else:
         tiles = {"BM": 256, "BN1": 64, "BN2": 128, "num_warps": 8, "num_stages": 2}
-    return {"BK": 128, "swap": False, **tiles, "programs": 1024, "BT": 1 if tokens < 512 else 4, "BD": 512, "BR": 16,
-            "tl_dot": True}
+    return {"BK": 128, "swap": False, "fragments": False, **tiles, "programs": 1024, "BT": 1 if tokens < 512 else 4,
+            "BD": 512, "BR": 16, "tl_dot": True}
 
 
 def _module(fmt: str, cuda: bool) -> object:
@@ -201,7 +203,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     counts = torch.empty(n_local, dtype=torch.int32, device=device)
     order = torch.empty(pairs, dtype=torch.int32, device=device)
     slots = torch.empty(pairs, dtype=torch.int32, device=device)
-    fragments = fmt == "fp4" and config["tl_dot"] and config["swap"]
+    fragments = fmt == "fp4" and config["tl_dot"] and config["swap"] and bool(config.get("fragments"))
     permute = 2 if fragments else int(fmt == "fp4" and not config["tl_dot"])
     fold = fragments and cuda and _scales_fold((s1, s3, s2))
     x_q = torch.empty_like(x) if quantized else x
@@ -239,8 +241,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
             a, weights, order, counts, *w, dst, n_local, top_k, n, k, split[1], a.stride(0),
             dst.stride(-2), dst.stride(0) if partial else 0, *row, w[0].stride(0), scale_stride, float(limit),
             GATED=gated, CLAMP=limit > 0, PARTIAL=partial, BM=bm, BN=bn, BK=k_block(k), E_BLOCK=e_block,
-            TL_DOT=config["tl_dot"], SWAP=config["swap"], NW=warps if cuda else 1, FOLD=fold, num_warps=warps,
-            num_stages=stages)
+            TL_DOT=config["tl_dot"], SWAP=config["swap"], FRAGMENTS=fragments, NW=warps if cuda else 1, FOLD=fold,
+            num_warps=warps, num_stages=stages)
 
     split1 = parts(inter, dim, config["BN1"])
     split2 = parts(dim, inter, config["BN2"])

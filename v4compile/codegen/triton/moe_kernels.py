@@ -13,12 +13,13 @@ weights are dequantized in registers to fp32 (each FP4 128-block's activation st
 with the low and high nibbles of the packed bytes) and multiplied by a broadcast product and sum (``tl_dot``
 False); ``tl_dot`` True runs the GPU's formulation there too (slower; the tests check both).
 
-The decode tiles' FP4 products (``SWAP``) do not go through ``tl.dot_scaled``: each thread loads its 16 bytes of a
-weight row's 128-column block straight into registers and widens them there, in the order the MMA fragment holds them
-(``_fp4_fragments``), so no widened weight passes through shared memory and the widening costs about 2.4
-instructions a weight instead of about 4 (SASS counted on the CPU, ``benchmarks/sass_mix.py``). A 128-column block's
-columns are then taken in a fixed order other than K's (``_frag_natural``); the activations these GEMMs read are
-stored in that order (``PERMUTE`` 2 of ``moe_quant`` and ``moe_gated_finish``), so the products pair up as before.
+The decode tiles' FP4 products can also skip ``tl.dot_scaled`` (``FRAGMENTS``, opt-in until timed on a GPU): each
+thread loads its 16 bytes of a weight row's 128-column block straight into registers and widens them there, in the
+order the MMA fragment holds them (``_fp4_fragments``), so no widened weight passes through shared memory and the
+loop takes 3.4-3.8 SASS instructions a weight instead of 4.8 (counted on the CPU, ``benchmarks/sass_mix.py``). A
+128-column block's columns are then taken in a fixed order other than K's (``_frag_natural``); the activations these
+GEMMs read are stored in that order (``PERMUTE`` 2 of ``moe_quant`` and ``moe_gated_finish``), so the products pair
+up as before.
 
 The source is a format string for three fields, the expert format ``FMT``, the dot operand dtype ``DOT`` (bf16 on
 the GPU, fp32 under the interpreter) and ``CUDA``, which ``moe._module`` fills once per (format, device kind).
@@ -278,14 +279,15 @@ def _dot_scaled(a, acc, W, S, n, nm, k0, s_w, s_s, BK: tl.constexpr, SWAP: tl.co
 def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k, N, K, k_part,
              s_a, s_o, s_op, s_w, s_s, s_we, s_se, limit, GATED: tl.constexpr, CLAMP: tl.constexpr,
              PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_BLOCK: tl.constexpr,
-             TL_DOT: tl.constexpr, SWAP: tl.constexpr, NW: tl.constexpr = 1, FOLD: tl.constexpr = False):
+             TL_DOT: tl.constexpr, SWAP: tl.constexpr, FRAGMENTS: tl.constexpr = False, NW: tl.constexpr = 1,
+             FOLD: tl.constexpr = False):
     # GATED: OUT[slot] = bf16(weight * silu(min(bf16(A W_A^T), L)) * clamp(bf16(A W_B^T), -L, L)) with A's
     # rows gathered by token; else OUT[slot] = bf16(A[slot] W_A^T). Expert e's weight is W + e * s_we (its
     # scale S + e * s_se) in the stacked tensors. Programs of one row tile are adjacent (its rows stay in L2).
     # PARTIAL: program_id(1) sums only K columns [k_part * id, k_part * (id + 1)) and stores its fp32 sums at
     # OUT + id * s_op (A W_A^T at column n, A W_B^T at N + n); the finishing kernels add the parts in order.
-    # SWAP (FP4/FP8 on tensor cores): the products computed transposed; FP8 by ``_dot_scaled``, FP4 on weights
-    # widened in fragment order (``_fp4_fragments``; A's 128-blocks stored in that order; NW: the launch's warps)
+    # SWAP (FP4/FP8 on tensor cores): the products computed transposed (``_dot_scaled``); FRAGMENTS (FP4, SWAP): on
+    # weights widened in fragment order instead (``_fp4_fragments``; A's 128-blocks stored in that order; NW: warps)
     tile = tl.program_id(0) // tl.cdiv(N, BN)
     nb = tl.program_id(0) % tl.cdiv(N, BN)
     e, row0, offset, count = _locate(COUNTS, n_local, tile, BM, E_BLOCK)
@@ -319,7 +321,7 @@ def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k
         else:
             n_w = n
         for k0 in range(k_lo, k_hi, BK):
-            if SWAP and FMT == "fp4":
+            if FRAGMENTS:
                 for h in tl.static_range(BK // 128):
                     k = k0 + h * 128 + tl.arange(0, 128)
                     a = tl.load(A + rows[None, :] * s_a + k[:, None], mask=rm[None, :], other=0.0).to(DOT)
