@@ -207,12 +207,15 @@ def test_one_multiply_widening_only_for_scales_it_covers() -> None:
     into a scale of at most 2^1 stays inside bf16); a byte outside, or the tensor changed in place, is re-checked."""
     from v4compile.codegen.triton.moe import _scales_fold
 
-    small = torch.full((4, 8, 2), 120, dtype=torch.uint8)
-    other = torch.full((4, 8, 2), 128, dtype=torch.uint8)
+    def scales(byte: int) -> torch.Tensor:
+        return torch.full((4, 8, 2), byte, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+
+    small, other = scales(120), scales(128)
     assert _scales_fold((small, other))
-    other[1, 2, 0] = 129
+    other.view(torch.uint8)[1, 2, 0] = 129
     assert not _scales_fold((small, other))
-    other[1, 2, 0] = 1
+    other.view(torch.uint8)[1, 2, 0] = 1
     assert _scales_fold((small, other))
-    small[0, 0, 0] = 0
+    small.view(torch.uint8)[0, 0, 0] = 0
     assert not _scales_fold((small, other))
+    assert not _scales_fold((scales(200),))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..registry import REGISTRY
 from .compressor import triton_next_pow2
@@ -105,7 +106,8 @@ def simulate_fp8(x: torch.Tensor, pow2: bool) -> torch.Tensor:
     return out
 
 
-_FOLD_CHECKED: dict[int, tuple[int, tuple[int, ...], bool]] = {}
+_FOLD_CHECKED = WeakIdKeyDictionary()
+"""Per scale tensor (held weakly, so a freed tensor's entry goes with it): its version when checked and the answer."""
 
 
 def _scales_fold(scales: tuple[torch.Tensor, ...]) -> bool:
@@ -116,13 +118,14 @@ def _scales_fold(scales: tuple[torch.Tensor, ...]) -> bool:
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     fold = True
     for s in scales:
-        known = _FOLD_CHECKED.get(s.data_ptr())
-        if known is None or known[:2] != (s._version, tuple(s.shape)):
+        known = _FOLD_CHECKED.get(s)
+        if known is None or known[0] != s._version:
             if capturing:
                 return False
-            known = (s._version, tuple(s.shape), bool(((s >= 1) & (s <= 128)).all()))
-            _FOLD_CHECKED[s.data_ptr()] = known
-        fold = fold and known[2]
+            bytes_ = s.view(torch.uint8)
+            known = (s._version, bool(((bytes_ >= 1) & (bytes_ <= 128)).all()))
+            _FOLD_CHECKED[s] = known
+        fold = fold and known[1]
     return fold
 
 
@@ -189,13 +192,15 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     cuda = x.device.type == "cuda"
     name = kernel_name(fmt)
     module = _module(fmt, cuda)
+    config = config or launch_config(tokens * top_k, n_local, tokens, dim, inter, cuda, fmt)
+    fragments = fmt == "fp4" and config["tl_dot"] and config["swap"] and bool(config.get("fragments"))
+    fold = fragments and cuda and _scales_fold((s1, s3, s2))
     w1, w3, w2 = (_bytes(w) for w in _row_major(w1, w3, w2))
     if quantized:
         s1, s3, s2 = (s.view(torch.uint8) for s in _row_major(s1, s3, s2))
     else:
         s1, s3, s2 = w1, w3, w2
     pairs = tokens * top_k
-    config = config or launch_config(pairs, n_local, tokens, dim, inter, cuda, fmt)
     bm = config["BM"]
     e_block = triton_next_pow2(n_local)
     device = x.device
@@ -203,9 +208,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     counts = torch.empty(n_local, dtype=torch.int32, device=device)
     order = torch.empty(pairs, dtype=torch.int32, device=device)
     slots = torch.empty(pairs, dtype=torch.int32, device=device)
-    fragments = fmt == "fp4" and config["tl_dot"] and config["swap"] and bool(config.get("fragments"))
     permute = 2 if fragments else int(fmt == "fp4" and not config["tl_dot"])
-    fold = fragments and cuda and _scales_fold((s1, s3, s2))
     x_q = torch.empty_like(x) if quantized else x
     y = torch.empty(tokens, dim, dtype=torch.float32, device=device)
     tiles = min(pairs, triton.cdiv(pairs, bm) + min(n_local, pairs))
