@@ -192,7 +192,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     cuda = x.device.type == "cuda"
     name = kernel_name(fmt)
     module = _module(fmt, cuda)
-    config = config or launch_config(tokens * top_k, n_local, tokens, dim, inter, cuda, fmt)
+    pairs = tokens * top_k
+    config = config or launch_config(pairs, n_local, tokens, dim, inter, cuda, fmt)
     fragments = fmt == "fp4" and config["tl_dot"] and config["swap"] and bool(config.get("fragments"))
     fold = fragments and cuda and _scales_fold((s1, s3, s2))
     w1, w3, w2 = (_bytes(w) for w in _row_major(w1, w3, w2))
@@ -200,7 +201,6 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
         s1, s3, s2 = (s.view(torch.uint8) for s in _row_major(s1, s3, s2))
     else:
         s1, s3, s2 = w1, w3, w2
-    pairs = tokens * top_k
     bm = config["BM"]
     e_block = triton_next_pow2(n_local)
     device = x.device

@@ -28,6 +28,20 @@ the GPU, fp32 under the interpreter) and ``CUDA``, which ``moe._module`` fills o
 from .formats import FORMATS_SOURCE
 from .launch import ROUND_BF16
 
+
+def _widening_ptx(bias: bool) -> str:
+    """``_e2m1_pairs``' PTX (braces doubled for ``SOURCE.format``): per pair i of four bytes' nibbles (n_i, n_i+4),
+    the magnitudes shifted to bf16 bits 6..8 and 22..24, the signs to bits 15 and 31, then one multiply by the scale
+    register ``$5`` (``bias``: first by 2^126 for scales that do not fold it in)."""
+    shifts = (("shl.b32 m, $4, 6;", "shl.b32 t, $4, 12;"), ("shl.b32 m, $4, 2;", "shl.b32 t, $4, 8;"),
+              ("shr.b32 m, $4, 2;", "shl.b32 t, $4, 4;"), ("shr.b32 m, $4, 6;", "mov.b32 t, $4;"))
+    lines = [".reg .b32 m, t, bias;", "mov.b32 bias, 0x7E807E80;"] if bias else [".reg .b32 m, t;"]
+    for i, (magnitude, sign) in enumerate(shifts):
+        lines.append(f"{magnitude} {sign} and.b32 t, t, 0x80008000; lop3.b32 m, m, 0x01C001C0, t, 0xEA;"
+                     f"{' mul.rn.bf16x2 m, m, bias;' if bias else ''} mul.rn.bf16x2 ${i}, m, $5;")
+    return "{{ " + " ".join(lines) + " }}"
+
+
 SOURCE = '''
 import triton
 import triton.language as tl
@@ -180,32 +194,13 @@ def _e2m1_pairs(x, scale, FOLD: tl.constexpr):
     # scale = 2^(s-1) (2^126 folded into the byte's 2^(s-127); bf16 holds it for s <= 128); else by 2^126, then by
     # scale = 2^(s-127)
     if FOLD:
-        r0, r1 = tl.inline_asm_elementwise(asm="""{{
-        .reg .b32 m, t;
-        shl.b32 m, $4, 6; shl.b32 t, $4, 12; and.b32 t, t, 0x80008000;
-        lop3.b32 m, m, 0x01C001C0, t, 0xEA; mul.rn.bf16x2 $0, m, $5;
-        shl.b32 m, $4, 2; shl.b32 t, $4, 8; and.b32 t, t, 0x80008000;
-        lop3.b32 m, m, 0x01C001C0, t, 0xEA; mul.rn.bf16x2 $1, m, $5;
-        shr.b32 m, $4, 2; shl.b32 t, $4, 4; and.b32 t, t, 0x80008000;
-        lop3.b32 m, m, 0x01C001C0, t, 0xEA; mul.rn.bf16x2 $2, m, $5;
-        shr.b32 m, $4, 6; mov.b32 t, $4; and.b32 t, t, 0x80008000;
-        lop3.b32 m, m, 0x01C001C0, t, 0xEA; mul.rn.bf16x2 $3, m, $5;
-        }}""", constraints="=r,=r,=r,=r,r,r,r", args=[x, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
-            pack=4)
+        r0, r1 = tl.inline_asm_elementwise(asm="""''' + _widening_ptx(bias=False) + '''""",
+                                           constraints="=r,=r,=r,=r,r,r,r", args=[x, scale],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
-        r0, r1 = tl.inline_asm_elementwise(asm="""{{
-        .reg .b32 m, t, bias;
-        mov.b32 bias, 0x7E807E80;
-        shl.b32 m, $4, 6; shl.b32 t, $4, 12; and.b32 t, t, 0x80008000;
-        lop3.b32 m, m, 0x01C001C0, t, 0xEA; mul.rn.bf16x2 m, m, bias; mul.rn.bf16x2 $0, m, $5;
-        shl.b32 m, $4, 2; shl.b32 t, $4, 8; and.b32 t, t, 0x80008000;
-        lop3.b32 m, m, 0x01C001C0, t, 0xEA; mul.rn.bf16x2 m, m, bias; mul.rn.bf16x2 $1, m, $5;
-        shr.b32 m, $4, 2; shl.b32 t, $4, 4; and.b32 t, t, 0x80008000;
-        lop3.b32 m, m, 0x01C001C0, t, 0xEA; mul.rn.bf16x2 m, m, bias; mul.rn.bf16x2 $2, m, $5;
-        shr.b32 m, $4, 6; mov.b32 t, $4; and.b32 t, t, 0x80008000;
-        lop3.b32 m, m, 0x01C001C0, t, 0xEA; mul.rn.bf16x2 m, m, bias; mul.rn.bf16x2 $3, m, $5;
-        }}""", constraints="=r,=r,=r,=r,r,r,r", args=[x, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
-            pack=4)
+        r0, r1 = tl.inline_asm_elementwise(asm="""''' + _widening_ptx(bias=True) + '''""",
+                                           constraints="=r,=r,=r,=r,r,r,r", args=[x, scale],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     return r0, r1
 
 
@@ -316,7 +311,7 @@ def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k
         else:
             acc_a = tl.zeros([BM, BN], tl.float32)
             acc_b = tl.zeros([BM, BN], tl.float32)
-        if CUDA:
+        if FRAGMENTS and CUDA:
             n_w = nb * BN + _mma_rows(BN, NW)
         else:
             n_w = n
