@@ -13,26 +13,24 @@ pytest.importorskip("triton.backends.nvidia")
 
 
 def test_the_moe_decode_tiles_main_loop_holds_its_mmas() -> None:
-    """The gated FP4 GEMM at one token (V4-Flash's shape, weights widened in fragment order): the loop found is the
-    K loop, one iteration of which runs the tile's tensor-core MMAs (2 weights x BK/16 k-steps x BN x BM / (16 x 8)
-    output tiles, shared by the warps; the decode tile computes the product transposed, the weights as the 16-row
-    side) and vector-loads the packed weights (no byte loads from memory or shared memory: the launch's alignment
-    hints are applied, and the weights are widened in the MMA's fragment order, not read back byte by byte)."""
+    """The gated FP4 GEMM at one token (V4-Flash's shape): the loop found is the K loop, one iteration of which
+    runs the tile's tensor-core MMAs (2 weights x BK/16 k-steps x BN x BM / (16 x 8) output tiles, shared by the
+    warps; the decode tile computes the product transposed, the weights as the 16-row side) and
+    vector-loads the packed weights (no byte loads: the launch's alignment hints are applied)."""
     config = moe.launch_config(6, 256, 1, 4096, 2048, True, "fp4")
     constexprs = {"GATED": True, "CLAMP": True, "PARTIAL": False, "BM": config["BM"], "BN": config["BN1"],
-                  "BK": config["BK"], "E_BLOCK": 256, "TL_DOT": True, "SWAP": config["swap"],
-                  "FRAGMENTS": True, "NW": config["num_warps"], "FOLD": True}
+                  "BK": config["BK"], "E_BLOCK": 256, "TL_DOT": True, "SWAP": config["swap"]}
     signature = moe.GEMM_SIGNATURE | dict.fromkeys(constexprs, "constexpr")
     divisible = [n for n, t in signature.items() if t.startswith("*")] + ["N", "K", "k_part", "s_a", "s_w", "s_s",
                                                                           "s_we", "s_se", "s_o", "s_op"]
-    ptx = sm90_ptx(SOURCE.format(fmt="fp4", dot="bfloat16", cuda=True), "moe_gemm", signature, constexprs, divisible,
+    ptx = sm90_ptx(SOURCE.format(fmt="fp4", dot="bfloat16"), "moe_gemm", signature, constexprs, divisible,
                    config["num_warps"])
     sass = sm90_sass(ptx)
     loop = main_loop(sass)
     mmas = 2 * (config["BK"] // 16) * (config["BN1"] * config["BM"] // 128) // config["num_warps"]
     assert loop.opcodes["HMMA"] == mmas and sum(t.startswith("HMMA") for t in sass) >= mmas
     assert 0 < loop.instructions < len(sass)
-    assert not any(".U8" in t and t.startswith(("LDG", "LDS")) for t in sass)
+    assert not any(".U8" in t and t.startswith("LDG") for t in sass)
     weights = 2 * config["BN1"] * config["BK"]
     assert loop.per(weights, 32 * config["num_warps"]) == loop.instructions * 32 * config["num_warps"] / weights
 

@@ -105,21 +105,18 @@ def test_repeated_ids_count_once(expert_sets: dict) -> None:
     torch.testing.assert_close(got[::2], once, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("fmt", "pow2", "tokens", "swap", "fragments"), [
-    ("fp4", True, 1, False, False), ("fp4", False, 40, False, False), ("fp8", True, 9, False, False),
-    ("bf16", False, 3, False, False), ("fp4", True, 1, True, False), ("fp4", False, 13, True, False),
-    ("fp8", True, 9, True, False), ("fp4", True, 1, True, True), ("fp4", False, 13, True, True)])
-def test_the_gpu_formulation_runs_under_the_interpreter(fmt: str, pow2: bool, tokens: int, swap: bool,
-                                                         fragments: bool) -> None:
+@pytest.mark.parametrize(("fmt", "pow2", "tokens", "swap"), [
+    ("fp4", True, 1, False), ("fp4", False, 40, False), ("fp8", True, 9, False), ("bf16", False, 3, False),
+    ("fp4", True, 1, True), ("fp4", False, 13, True), ("fp8", True, 9, True)])
+def test_the_gpu_formulation_runs_under_the_interpreter(fmt: str, pow2: bool, tokens: int, swap: bool) -> None:
     """``tl_dot`` (the GPU's path: microscaled ``tl.dot_scaled`` for FP4/FP8, ``tl.dot`` for bf16) instead of the
     interpreter's broadcast product: the same results; ``swap`` (the decode tiles' transposed product, 8-row tiles,
-    K blocks of 256) too, and ``fragments`` (its FP4 weights widened in fragment order, the activations stored in
-    that column order)."""
+    K blocks of 256) too."""
     experts = make_experts(fmt, pow2)
     x = (torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(tokens)) * 2).bfloat16()
     weights, ids = routing(tokens, EXPERTS, TOP_K, seed=tokens)
     config = {**moe.launch_config(tokens * TOP_K, EXPERTS, tokens, DIM, INTER, cuda=False), "tl_dot": True,
-              "BM": 8 if swap else 16, "BK": 256 if swap else 128, "swap": swap, "fragments": fragments}
+              "BM": 8 if swap else 16, "BK": 256 if swap else 128, "swap": swap}
     args = (x, weights, ids, 0, *weights_of(experts), fmt, pow2, LIMIT)
     with torch.no_grad():
         got = moe.moe_experts(*args, config=config)
@@ -127,18 +124,16 @@ def test_the_gpu_formulation_runs_under_the_interpreter(fmt: str, pow2: bool, to
     assert_matches(got, want)
 
 
-@pytest.mark.parametrize(("fmt", "pow2", "tokens", "tl_dot", "swap"), [
-    ("fp4", True, 1, True, False), ("fp4", False, 7, False, False), ("fp8", True, 5, True, False),
-    ("bf16", False, 4, False, False), ("fp4", False, 3, True, True)])
-def test_k_split_gemms_match_the_models_experts(fmt: str, pow2: bool, tokens: int, tl_dot: bool, swap: bool) -> None:
+@pytest.mark.parametrize(("fmt", "pow2", "tokens", "tl_dot"), [("fp4", True, 1, True), ("fp4", False, 7, False),
+                                                         ("fp8", True, 5, True), ("bf16", False, 4, False)])
+def test_k_split_gemms_match_the_models_experts(fmt: str, pow2: bool, tokens: int, tl_dot: bool) -> None:
     """Few pairs split each GEMM's K among programs (the decode path: more loads in flight); the parts' fp32 sums
-    are added in a fixed order by the finishing kernels, so results repeat bitwise and stay in the model's band
-    (``swap``: the decode tiles' FP4 products on weights widened in fragment order)."""
+    are added in a fixed order by the finishing kernels, so results repeat bitwise and stay in the model's band."""
     experts = make_experts(fmt, pow2)
     x = (torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(tokens)) * 2).bfloat16()
     weights, ids = routing(tokens, EXPERTS, TOP_K, seed=tokens)
     base = {**moe.launch_config(tokens * TOP_K, EXPERTS, tokens, DIM, INTER, cuda=False), "tl_dot": tl_dot,
-            "BK": 128, "swap": swap, "fragments": swap, **({"BM": 8} if swap else {})}
+            "BK": 128}
     args = (x, weights, ids, 0, *weights_of(experts), fmt, pow2, LIMIT)
     with torch.no_grad():
         whole = moe.moe_experts(*args, config=base)
@@ -200,22 +195,3 @@ def test_halves_of_a_fused_gate_up_weight_are_read_in_place(expert_sets: dict, f
         want = ops.moe_experts(x, weights, ids, 0, w1, w3, w2, s1, s3, s2, fmt, pow2, LIMIT, "triton")
     assert not halves[0].is_contiguous()
     assert torch.equal(got, want)
-
-
-def test_one_multiply_widening_only_for_scales_it_covers() -> None:
-    """The decode tiles widen an FP4 weight with one multiply only when every scale byte is 1..128 (2^126 folded
-    into a scale of at most 2^1 stays inside bf16); a byte outside, or the tensor changed in place, is re-checked."""
-    from v4compile.codegen.triton.moe import _scales_fold
-
-    def scales(byte: int) -> torch.Tensor:
-        return torch.full((4, 8, 2), byte, dtype=torch.uint8).view(torch.float8_e8m0fnu)
-
-    small, other = scales(120), scales(128)
-    assert _scales_fold((small, other))
-    other.view(torch.uint8)[1, 2, 0] = 129
-    assert not _scales_fold((small, other))
-    other.view(torch.uint8)[1, 2, 0] = 1
-    assert _scales_fold((small, other))
-    small.view(torch.uint8)[0, 0, 0] = 0
-    assert not _scales_fold((small, other))
-    assert not _scales_fold((scales(200),))

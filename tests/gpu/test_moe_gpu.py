@@ -93,40 +93,6 @@ def test_k_split_gemms_cuda(fmt: str, pow2: bool, tokens: int) -> None:
     assert_close_normwise(got, want)
 
 
-@pytest.mark.parametrize(("tokens", "n_experts", "dim"), [(1, 32, 1024), (7, 256, 1024), (64, 16, 1152),
-                                                     (200, 64, 1024)])
-def test_fragment_order_decode_tiles_cuda(tokens: int, n_experts: int, dim: int) -> None:
-    """The decode tiles with their FP4 weights widened in fragment order (``fragments``): one to 16 pairs an
-    expert, a K of 9 quantization blocks, in the band; the K split's parts added in order, bitwise repeatable."""
-    experts = gpu_experts(n_experts, dim, 512, "fp4", True)
-    x = torch.randn(tokens, dim, device="cuda").bfloat16()
-    args = op_args(experts, "fp4", True, x, n_experts, 6)
-    config = {**moe.launch_config(tokens * 6, n_experts, tokens, dim, 512, True), "fragments": True}
-    assert config["swap"]
-    with torch.no_grad():
-        got, want = moe.moe_experts(*args, config=config), reference.moe_experts(*args)
-        split = {**config, "programs": 10**6}
-        assert torch.equal(moe.moe_experts(*args, config=split), moe.moe_experts(*args, config=split))
-    assert_close_normwise(got, want)
-
-
-@pytest.mark.parametrize("tokens", [1, 16])
-def test_fp4_scales_above_two_cuda(tokens: int) -> None:
-    """FP4 experts with scale bytes above 128 (weights beyond +-12): the fragment-order widening takes its
-    two-multiply form (2^126, then the scale), and the outputs stay in the model's band."""
-    experts = gpu_experts(16, 1024, 512, "fp4", True)
-    with torch.no_grad():
-        for layer in (experts.w1, experts.w3, experts.w2):
-            layer.scale.view(torch.uint8)[:, ::3] += 12
-    assert not moe._scales_fold(tuple(layer.scale.view(torch.uint8) for layer in (experts.w1, experts.w3)))
-    x = (torch.randn(tokens, 1024, device="cuda") * 0.01).bfloat16()
-    args = op_args(experts, "fp4", True, x, 16, 6)
-    config = {**moe.launch_config(tokens * 6, 16, tokens, 1024, 512, True), "fragments": True}
-    with torch.no_grad():
-        got, want = moe.moe_experts(*args, config=config), reference.moe_experts(*args)
-    assert_close_normwise(got, want)
-
-
 @pytest.mark.parametrize("tokens", [16, 300])
 def test_every_token_on_the_same_experts_cuda(tokens: int) -> None:
     """Six experts full (every token chose them), ten empty: 32-row tiles, then 128-row tiles."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import torch
 import triton
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..registry import REGISTRY
 from .compressor import triton_next_pow2
@@ -66,14 +65,12 @@ def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, c
     (256 experts at 1, 64 and 8192 tokens, 16 at 64: benchmarks/NOTES.md); the interpreter gets few, large programs
     (its cost is per program and op, not per element). ``programs``: a GEMM with fewer programs than this splits
     its K into parts until it has about that many (one token on the H100: the gated GEMM's 384 programs fill under
-    half a wave, two parts took the layer from 94.3 to 86.5 us; more parts were slower). ``fragments`` (FP4, ``swap``
-    tiles): weights widened in the MMA's fragment order instead of ``tl.dot_scaled`` (``moe_kernels.py``); off until
-    timed on a GPU."""
+    half a wave, two parts took the layer from 94.3 to 86.5 us; more parts were slower)."""
     if not cuda:
         return {"programs": 0, "BM": 16, "BN1": min(256, triton_next_pow2(inter)),
                 "BN2": min(256, triton_next_pow2(dim)),
                 "BK": 512, "BT": 64, "BD": triton_next_pow2(dim), "BR": 64, "tl_dot": False, "swap": False,
-                "fragments": False, "num_warps": 4, "num_stages": 1}
+                "num_warps": 4, "num_stages": 1}
     per_expert = pairs / max(n_local, 1)
     if per_expert <= 16:
         tiles = {"BM": 8 if per_expert <= 8 else 16, "BN1": 32, "BN2": 32, "BK": 256, "swap": True, "num_warps": 2,
@@ -84,13 +81,13 @@ def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, c
         tiles = {"BM": 128, "BN1": 128, "BN2": 128, "num_warps": 8, "num_stages": 3}
     else:
         tiles = {"BM": 256, "BN1": 64, "BN2": 128, "num_warps": 8, "num_stages": 2}
-    return {"BK": 128, "swap": False, "fragments": False, **tiles, "programs": 1024, "BT": 1 if tokens < 512 else 4,
-            "BD": 512, "BR": 16, "tl_dot": True}
+    return {"BK": 128, "swap": False, **tiles, "programs": 1024, "BT": 1 if tokens < 512 else 4, "BD": 512, "BR": 16,
+            "tl_dot": True}
 
 
 def _module(fmt: str, cuda: bool) -> object:
     return REGISTRY.build(kernel_name(fmt), "triton", "v4compile::moe_experts",
-                          lambda: SOURCE.format(fmt=fmt, dot="bfloat16" if cuda else "float32", cuda=cuda),
+                          lambda: SOURCE.format(fmt=fmt, dot="bfloat16" if cuda else "float32"),
                           lambda path: load_triton_module(path, not cuda), key=(cuda, fmt))
 
 
@@ -101,32 +98,9 @@ def simulate_fp8(x: torch.Tensor, pow2: bool) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     module.moe_quant[(triton.cdiv(x.shape[0], 16), x.shape[1] // QUANT_BLOCK)](
-        x, out, x, x.shape[0], 0, x.stride(0), out.stride(0), POW2=pow2, PERMUTE=0, COUNTED=False, BR=16,
+        x, out, x, x.shape[0], 0, x.stride(0), out.stride(0), POW2=pow2, PERMUTE=False, COUNTED=False, BR=16,
         E_BLOCK=1)
     return out
-
-
-_FOLD_CHECKED = WeakIdKeyDictionary()
-"""Per scale tensor (held weakly, so a freed tensor's entry goes with it): its version when checked and the answer."""
-
-
-def _scales_fold(scales: tuple[torch.Tensor, ...]) -> bool:
-    """Whether every scale byte of these FP4 expert scales is 1..128, so the decode tiles widen a weight with one
-    multiply (2^126 folded into its scale, which then stays inside bf16's range). Checked on the host once per
-    tensor and version (one sync); while a CUDA graph is being captured an unchecked tensor takes the two-multiply
-    widening, right for every byte."""
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    fold = True
-    for s in scales:
-        known = _FOLD_CHECKED.get(s)
-        if known is None or known[0] != s._version:
-            if capturing:
-                return False
-            bytes_ = s.view(torch.uint8)
-            known = (s._version, bool(((bytes_ >= 1) & (bytes_ <= 128)).all()))
-            _FOLD_CHECKED[s] = known
-        fold = fold and known[1]
-    return fold
 
 
 def check_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
@@ -192,15 +166,13 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     cuda = x.device.type == "cuda"
     name = kernel_name(fmt)
     module = _module(fmt, cuda)
-    pairs = tokens * top_k
-    config = config or launch_config(pairs, n_local, tokens, dim, inter, cuda, fmt)
-    fragments = fmt == "fp4" and config["tl_dot"] and config["swap"] and bool(config.get("fragments"))
-    fold = fragments and cuda and _scales_fold((s1, s3, s2))
     w1, w3, w2 = (_bytes(w) for w in _row_major(w1, w3, w2))
     if quantized:
         s1, s3, s2 = (s.view(torch.uint8) for s in _row_major(s1, s3, s2))
     else:
         s1, s3, s2 = w1, w3, w2
+    pairs = tokens * top_k
+    config = config or launch_config(pairs, n_local, tokens, dim, inter, cuda, fmt)
     bm = config["BM"]
     e_block = triton_next_pow2(n_local)
     device = x.device
@@ -208,7 +180,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     counts = torch.empty(n_local, dtype=torch.int32, device=device)
     order = torch.empty(pairs, dtype=torch.int32, device=device)
     slots = torch.empty(pairs, dtype=torch.int32, device=device)
-    permute = 2 if fragments else int(fmt == "fp4" and not config["tl_dot"])
+    permute = fmt == "fp4" and not config["tl_dot"]
     x_q = torch.empty_like(x) if quantized else x
     y = torch.empty(tokens, dim, dtype=torch.float32, device=device)
     tiles = min(pairs, triton.cdiv(pairs, bm) + min(n_local, pairs))
@@ -244,8 +216,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
             a, weights, order, counts, *w, dst, n_local, top_k, n, k, split[1], a.stride(0),
             dst.stride(-2), dst.stride(0) if partial else 0, *row, w[0].stride(0), scale_stride, float(limit),
             GATED=gated, CLAMP=limit > 0, PARTIAL=partial, BM=bm, BN=bn, BK=k_block(k), E_BLOCK=e_block,
-            TL_DOT=config["tl_dot"], SWAP=config["swap"], FRAGMENTS=fragments, NW=warps if cuda else 1, FOLD=fold,
-            num_warps=warps, num_stages=stages)
+            TL_DOT=config["tl_dot"], SWAP=config["swap"], num_warps=warps, num_stages=stages)
 
     split1 = parts(inter, dim, config["BN1"])
     split2 = parts(dim, inter, config["BN2"])

@@ -13,34 +13,12 @@ weights are dequantized in registers to fp32 (each FP4 128-block's activation st
 with the low and high nibbles of the packed bytes) and multiplied by a broadcast product and sum (``tl_dot``
 False); ``tl_dot`` True runs the GPU's formulation there too (slower; the tests check both).
 
-The decode tiles' FP4 products can also skip ``tl.dot_scaled`` (``FRAGMENTS``, opt-in until timed on a GPU): each
-thread loads its 16 bytes of a weight row's 128-column block straight into registers and widens them there, in the
-order the MMA fragment holds them (``_fp4_fragments``), so no widened weight passes through shared memory and the
-loop takes 3.4-3.8 SASS instructions a weight instead of 4.8 (counted on the CPU, ``benchmarks/sass_mix.py``). A
-128-column block's columns are then taken in a fixed order other than K's (``_frag_natural``); the activations these
-GEMMs read are stored in that order (``PERMUTE`` 2 of ``moe_quant`` and ``moe_gated_finish``), so the products pair
-up as before.
-
-The source is a format string for three fields, the expert format ``FMT``, the dot operand dtype ``DOT`` (bf16 on
-the GPU, fp32 under the interpreter) and ``CUDA``, which ``moe._module`` fills once per (format, device kind).
+The source is a format string for two fields, the expert format ``FMT`` and the dot operand dtype ``DOT``
+(bf16 on the GPU, fp32 under the interpreter), which ``moe._module`` fills once per (format, device kind).
 """
 
 from .formats import FORMATS_SOURCE
 from .launch import ROUND_BF16
-
-
-def _widening_ptx(bias: bool) -> str:
-    """``_e2m1_pairs``' PTX (braces doubled for ``SOURCE.format``): per pair i of four bytes' nibbles (n_i, n_i+4),
-    the magnitudes shifted to bf16 bits 6..8 and 22..24, the signs to bits 15 and 31, then one multiply by the scale
-    register ``$5`` (``bias``: first by 2^126 for scales that do not fold it in)."""
-    shifts = (("shl.b32 m, $4, 6;", "shl.b32 t, $4, 12;"), ("shl.b32 m, $4, 2;", "shl.b32 t, $4, 8;"),
-              ("shr.b32 m, $4, 2;", "shl.b32 t, $4, 4;"), ("shr.b32 m, $4, 6;", "mov.b32 t, $4;"))
-    lines = [".reg .b32 m, t, bias;", "mov.b32 bias, 0x7E807E80;"] if bias else [".reg .b32 m, t;"]
-    for i, (magnitude, sign) in enumerate(shifts):
-        lines.append(f"{magnitude} {sign} and.b32 t, t, 0x80008000; lop3.b32 m, m, 0x01C001C0, t, 0xEA;"
-                     f"{' mul.rn.bf16x2 m, m, bias;' if bias else ''} mul.rn.bf16x2 ${i}, m, $5;")
-    return "{{ " + " ".join(lines) + " }}"
-
 
 SOURCE = '''
 import triton
@@ -48,7 +26,6 @@ import triton.language as tl
 
 FMT = tl.constexpr("{fmt}")
 DOT = tl.{dot}
-CUDA = tl.constexpr({cuda})
 ''' + ROUND_BF16 + FORMATS_SOURCE + '''
 
 
@@ -99,28 +76,12 @@ def _row_block(rows, BR: tl.constexpr):
 
 
 @triton.jit
-def _frag_natural(p):
-    # the column within a 128-block at fragment-order position p = 32w + 8c + 4o + 2i + q: 32c + 8w + 2o + i + 4q
-    return 32 * ((p // 8) % 4) + 8 * (p // 32) + 2 * ((p // 4) % 2) + (p // 2) % 2 + 4 * (p % 2)
-
-
-@triton.jit
-def _frag_position(j):
-    # the fragment-order position of column j within a 128-block (the inverse of _frag_natural)
-    r = j % 8
-    return 32 * ((j // 8) % 4) + 8 * (j // 32) + 4 * ((r % 4) // 2) + 2 * (r % 2) + r // 4
-
-
-@triton.jit
 def _store_block(OUT, r, c, s_o, y, mask, PERMUTE: tl.constexpr):
-    # y [BR, 128] as bf16 into rows r, columns c of block program_id(1); PERMUTE 1: the block's even columns first
-    # (the order moe_gemm's interpreter formulation reads an FP4 expert's activation in); 2: fragment order (the
-    # order the decode tiles' FP4 products take a block's columns in)
-    j = tl.arange(0, 128)
-    if PERMUTE == 1:
+    # y [BR, 128] as bf16 into rows r, columns c of block program_id(1); PERMUTE: the block's even columns first
+    # (the order moe_gemm's interpreter formulation reads an FP4 expert's activation in)
+    if PERMUTE:
+        j = tl.arange(0, 128)
         c = tl.program_id(1) * 128 + (j % 2) * 64 + j // 2
-    if PERMUTE == 2:
-        c = tl.program_id(1) * 128 + _frag_position(j)
     tl.store(OUT + r[:, None] * s_o + c[None, :], y.to(tl.bfloat16), mask=mask)
 
 
@@ -187,62 +148,6 @@ def _dot_w(a0, a1, W, S, n, nm, k0, K, s_w, s_s, BK: tl.constexpr, TL_DOT: tl.co
 
 
 @triton.jit
-def _e2m1_pairs(x, scale, FOLD: tl.constexpr):
-    # each 4 bytes of x (nibbles n0..n7 in K order, low nibble first) -> bf16 pairs (n_i, n_i+4) for i = 0..3 times
-    # the scale: r0 holds the pairs i = 0, 1, r1 the pairs i = 2, 3 (per 4 bytes, 4 values each). The magnitude bits go
-    # to bf16 bits 6..8 (value * 2^-126, subnormal for 0.5 included) and the sign to bit 15; FOLD: one multiply by
-    # scale = 2^(s-1) (2^126 folded into the byte's 2^(s-127); bf16 holds it for s <= 128); else by 2^126, then by
-    # scale = 2^(s-127)
-    if FOLD:
-        r0, r1 = tl.inline_asm_elementwise(asm="""''' + _widening_ptx(bias=False) + '''""",
-                                           constraints="=r,=r,=r,=r,r,r,r", args=[x, scale],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    else:
-        r0, r1 = tl.inline_asm_elementwise(asm="""''' + _widening_ptx(bias=True) + '''""",
-                                           constraints="=r,=r,=r,=r,r,r,r", args=[x, scale],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    return r0, r1
-
-
-@triton.jit
-def _mma_rows(BN: tl.constexpr, NW: tl.constexpr):
-    # the weight row (of BN) each position of a loaded tile takes, so that the permutation at the end of
-    # _fp4_fragments leaves row r at position r: a load spreads warps over rows 8 apart, the MMA 16 apart
-    rho = tl.arange(0, BN)
-    g = rho % 8
-    wp = (rho // 8) % NW
-    h = (rho // (8 * NW)) % 2
-    return ((rho // (16 * NW) * NW + wp) * 2 + h) * 8 + g
-
-
-@triton.jit
-def _fp4_fragments(W, S, n, nm, k0, s_w, s_s, BN: tl.constexpr, NW: tl.constexpr, FOLD: tl.constexpr):
-    # the FP4 weight rows n (loaded in _mma_rows order on the GPU), columns k0..k0+128, dequantized to DOT [BN, 128]
-    # in fragment order: position p holds column k0 + _frag_natural(p). On the GPU a thread loads 16 bytes of a row
-    # (lanes: 8 rows x 4 byte groups, the MMA operand's own lane map), widens them in registers (_e2m1_pairs), and
-    # the joins, permutations and reshapes below only rename registers into the MMA's operand layout
-    if CUDA:
-        c = tl.arange(0, 4)
-        b = tl.arange(0, 16)
-        byte = k0 // 2 + c[:, None] * 16 + b[None, :]
-        x = tl.load(W + n[:, None, None] * s_w + byte[None, :, :], mask=nm[:, None, None], other=0)
-        sc = tl.load(S + n[:, None] * s_s + (k0 // 32 + c)[None, :], mask=nm[:, None], other=127).to(tl.int32)
-        if FOLD:
-            sc = sc + 126
-        scale = (sc << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        r0, r1 = _e2m1_pairs(x, tl.broadcast_to(scale[:, :, None], (BN, 4, 16)), FOLD)
-        v = tl.reshape(tl.join(r0, r1), (BN, 4, 4, 2, 2, 2))                     # [row, c, w, i, q, o]
-        v = tl.reshape(tl.permute(v, (0, 2, 1, 5, 3, 4)), (BN // (16 * NW), 2, NW, 8, 128))
-        return tl.reshape(tl.permute(v, (0, 2, 1, 3, 4)), (BN, 128))
-    else:
-        nat = k0 + _frag_natural(tl.arange(0, 128))
-        packed = tl.load(W + n[:, None] * s_w + (nat // 2)[None, :], mask=nm[:, None], other=0)
-        code = tl.where((nat % 2 == 1)[None, :], packed >> 4, packed & 15)
-        scale = _e8m0(tl.load(S + n[:, None] * s_s + (nat // 32)[None, :], mask=nm[:, None], other=127))
-        return (_e2m1(code) * scale).to(DOT)
-
-
-@triton.jit
 def _dot_scaled(a, acc, W, S, n, nm, k0, s_w, s_s, BK: tl.constexpr, SWAP: tl.constexpr):
     # acc + a [BM, BK] (bf16 values, natural column order) times the expert weight rows n, columns k0..k0+BK as
     # microscaled operands: e2m1 codes with their e8m0 scale per 32, or e4m3 codes with their 128x128 block's
@@ -274,15 +179,13 @@ def _dot_scaled(a, acc, W, S, n, nm, k0, s_w, s_s, BK: tl.constexpr, SWAP: tl.co
 def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k, N, K, k_part,
              s_a, s_o, s_op, s_w, s_s, s_we, s_se, limit, GATED: tl.constexpr, CLAMP: tl.constexpr,
              PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_BLOCK: tl.constexpr,
-             TL_DOT: tl.constexpr, SWAP: tl.constexpr, FRAGMENTS: tl.constexpr = False, NW: tl.constexpr = 1,
-             FOLD: tl.constexpr = False):
+             TL_DOT: tl.constexpr, SWAP: tl.constexpr):
     # GATED: OUT[slot] = bf16(weight * silu(min(bf16(A W_A^T), L)) * clamp(bf16(A W_B^T), -L, L)) with A's
     # rows gathered by token; else OUT[slot] = bf16(A[slot] W_A^T). Expert e's weight is W + e * s_we (its
     # scale S + e * s_se) in the stacked tensors. Programs of one row tile are adjacent (its rows stay in L2).
     # PARTIAL: program_id(1) sums only K columns [k_part * id, k_part * (id + 1)) and stores its fp32 sums at
     # OUT + id * s_op (A W_A^T at column n, A W_B^T at N + n); the finishing kernels add the parts in order.
-    # SWAP (FP4/FP8 on tensor cores): the products computed transposed (``_dot_scaled``); FRAGMENTS (FP4, SWAP): on
-    # weights widened in fragment order instead (``_fp4_fragments``; A's 128-blocks stored in that order; NW: warps)
+    # SWAP (FP4/FP8 on tensor cores): the products computed transposed (``_dot_scaled``)
     tile = tl.program_id(0) // tl.cdiv(N, BN)
     nb = tl.program_id(0) % tl.cdiv(N, BN)
     e, row0, offset, count = _locate(COUNTS, n_local, tile, BM, E_BLOCK)
@@ -311,29 +214,15 @@ def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k
         else:
             acc_a = tl.zeros([BM, BN], tl.float32)
             acc_b = tl.zeros([BM, BN], tl.float32)
-        if FRAGMENTS and CUDA:
-            n_w = nb * BN + _mma_rows(BN, NW)
-        else:
-            n_w = n
         for k0 in range(k_lo, k_hi, BK):
-            if FRAGMENTS:
-                for h in tl.static_range(BK // 128):
-                    k = k0 + h * 128 + tl.arange(0, 128)
-                    a = tl.load(A + rows[None, :] * s_a + k[:, None], mask=rm[None, :], other=0.0).to(DOT)
-                    w = _fp4_fragments(wa, sa, n_w, n_w < N, k0 + h * 128, s_w, s_s, BN, NW, FOLD)
-                    acc_a = tl.dot(w, a, acc_a, input_precision="ieee")
-                    if GATED:
-                        w = _fp4_fragments(wb, sb, n_w, n_w < N, k0 + h * 128, s_w, s_s, BN, NW, FOLD)
-                        acc_b = tl.dot(w, a, acc_b, input_precision="ieee")
+            k = k0 + tl.arange(0, BK)
+            if SWAP:
+                a = tl.load(A + rows[None, :] * s_a + k[:, None], mask=rm[None, :], other=0.0)
             else:
-                k = k0 + tl.arange(0, BK)
-                if SWAP:
-                    a = tl.load(A + rows[None, :] * s_a + k[:, None], mask=rm[None, :], other=0.0)
-                else:
-                    a = tl.load(A + rows[:, None] * s_a + k[None, :], mask=rm[:, None], other=0.0)
-                acc_a = _dot_scaled(a, acc_a, wa, sa, n, nm, k0, s_w, s_s, BK, SWAP)
-                if GATED:
-                    acc_b = _dot_scaled(a, acc_b, wb, sb, n, nm, k0, s_w, s_s, BK, SWAP)
+                a = tl.load(A + rows[:, None] * s_a + k[None, :], mask=rm[:, None], other=0.0)
+            acc_a = _dot_scaled(a, acc_a, wa, sa, n, nm, k0, s_w, s_s, BK, SWAP)
+            if GATED:
+                acc_b = _dot_scaled(a, acc_b, wb, sb, n, nm, k0, s_w, s_s, BK, SWAP)
         if SWAP:
             acc_a = tl.trans(acc_a)
             acc_b = tl.trans(acc_b)
