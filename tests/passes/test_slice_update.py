@@ -103,3 +103,18 @@ def test_the_tiny_model_is_bitwise_unchanged_and_every_rope_is_updated_in_place(
     layers = tiny_model.config.n_layers
     c4 = sum(r == 4 for r in tiny_model.config.compress_ratios[:layers])
     assert len(matches) == 4 * layers + c4 and not misses
+
+
+def test_an_unbacked_size_is_declined_and_the_compiled_call_still_runs() -> None:
+    """A token count known only at run time (as the CPU's decode batch is) is a near-miss saying so: Inductor's
+    matmul lowering would have to guard on its value. The compiled call serves other token counts unchanged."""
+    module, (x, cos, sin) = Queries().eval(), _inputs()
+    torch._dynamo.decorators.mark_unbacked(x, 0)
+    torch._dynamo.decorators.mark_unbacked(cos, 0)
+    torch._dynamo.decorators.mark_unbacked(sin, 0)
+    optimized = v4compile.optimize(module, passes=["slice_update"])
+    with torch.no_grad():
+        assert torch.equal(optimized(x, cos, sin), module(x, cos, sin))
+        assert torch.equal(optimized(x[:5], cos[:5], sin[:5]), module(x[:5], cos[:5], sin[:5]))
+    matches, misses = _outcomes(optimized.reports())
+    assert not matches and len(misses) == 1 and "unbacked" in misses[0]

@@ -8,7 +8,8 @@ and the attention output's RoPE copies moved about 5 ms of 105 on the H100: benc
 Inductor's reinplacing writes only the r new columns into x's own buffer. The pass rewrites a two-piece ``cat``
 along a static dimension when one piece is a unit-step slice of some x, the other piece fills exactly the rest
 of x along that dimension, and x (through any views) is read nowhere after the ``cat``; otherwise the near-miss
-says which of these failed.
+says which of these failed. Shapes with an unbacked size (the CPU's decode batch) are declined: Inductor's matmul
+lowering then guards on that size's value, which an unbacked size does not allow (torch 2.13).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .base import GraphPass, NoMatch, Rewrite, RewriteContext, is_op, shape
 
@@ -44,6 +46,9 @@ class SliceUpdate(GraphPass):
         out = shape(node)
         if out is None:
             raise NoMatch("the cat's shape is unknown")
+        if free_unbacked_symbols(node.meta["val"].shape):
+            raise NoMatch("a size is unbacked (known only at run time, e.g. the CPU's decode batch): Inductor's "
+                          "layout choices for what reads the update would have to guard on its value")
         dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(out)
         if not isinstance(out[dim], int):
             raise NoMatch(f"the cat's dimension {dim} is dynamic")
