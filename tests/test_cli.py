@@ -58,7 +58,7 @@ def test_dump_writes_graphs_per_pass(tmp_path: Path, capsys: pytest.CaptureFixtu
     # head_padding changes nothing on CPU (any head count tiles there) and stream_schedule plans CUDA graphs only
     assert names == ["00-captured.txt", "01-after-compressor_fusion.txt", "02-after-compressor_finish.txt",
                      "03-after-radix_topk.txt", "04-after-mhc_tiling.txt", "05-after-sparse_attention.txt",
-                     "07-after-moe_dispatch.txt", "10-after-slice_update.txt"]
+                     "07-after-moe_dispatch.txt"]
 
 
 def test_kernels_show_prints_source_and_launch(capsys: pytest.CaptureFixture) -> None:

@@ -161,8 +161,7 @@ def test_bad_names_are_clear_errors(tiny_model: v4compile.DeepSeekV4) -> None:
     with pytest.raises(ValueError, match=r"radix_topk has no options \['k'\]"):
         v4compile.optimize(tiny_model, options={"radix_topk": {"k": 3}})
     assert set(PASSES) == {"compressor_fusion", "compressor_finish", "radix_topk", "mhc_tiling", "sparse_attention",
-                           "head_padding", "moe_dispatch", "fp8_linear", "fp32_linear", "slice_update",
-                           "stream_schedule"}
+                           "head_padding", "moe_dispatch", "fp8_linear", "fp32_linear", "stream_schedule"}
 
 
 def test_a_model_that_is_not_v4_still_optimizes_and_the_report_says_so() -> None:

@@ -11,12 +11,11 @@ from .head_padding import HeadPadding
 from .mhc_tiling import MhcTiling
 from .moe_dispatch import MoeDispatch
 from .radix_topk import RadixTopK
-from .slice_update import SliceUpdate
 from .sparse_attention import SparseAttention
 from .stream_schedule import StreamSchedule
 
 PASS_ORDER: tuple[type[GraphPass], ...] = (CompressorFusion, CompressorFinish, RadixTopK, MhcTiling, SparseAttention,
-                                              HeadPadding, MoeDispatch, Fp8Linear, Fp32Linear, SliceUpdate,
+                                              HeadPadding, MoeDispatch, Fp8Linear, Fp32Linear,
                                               StreamSchedule)
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in PASS_ORDER}
 
