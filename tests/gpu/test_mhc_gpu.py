@@ -22,22 +22,26 @@ def _inputs(lead: tuple[int, ...], n: int = 4, dim: int = 4096, dtype: torch.dty
     return x, fn, torch.rand(3, device="cuda") + 0.5, torch.randn((2 + n) * n, device="cuda")
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+def _close(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-5) -> None:
     if got.dtype == torch.bfloat16:
-        torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-7, atol=1e-5)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-7, atol=atol)
         assert (got != want).float().mean() < 0.01
     else:
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=atol)
 
 
 @pytest.mark.parametrize(("lead", "dtype"), [((1,), torch.bfloat16), ((4,), torch.bfloat16),
                                              ((16,), torch.bfloat16), ((64,), torch.bfloat16),
-                                             ((3, 100), torch.bfloat16), ((8,), torch.float32)])
+                                             ((3, 100), torch.bfloat16), ((2, 1027), torch.bfloat16),
+                                             ((8,), torch.float32)])
 def test_mhc_pre_and_post_cuda(lead: tuple[int, ...], dtype: torch.dtype) -> None:
     x, fn, scale, base = _inputs(lead, dtype=dtype)
     y, post, comb = ops.mhc_pre(x, fn, scale, base, 20, 1e-6, 1e-6, "triton")
     want_y, want_post, want_comb = reference.mhc_pre(x, fn, scale, base, 20, 1e-6, 1e-6)
-    _close(y, want_y)
+    # y sums n streams weighted by pre, whose fp32 sums over n * D terms round in the kernel's order: where the
+    # weighted streams cancel, y's error is relative to the streams, not to y (H100, 2054 and 8192 rows: up to 6.1e-5
+    # at |y| ~ 5e-6, with one or four finishing rows a program alike)
+    _close(y, want_y, atol=2.0**-14 * x.abs().max().item())
     torch.testing.assert_close(post, want_post, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(comb, want_comb, rtol=1e-4, atol=1e-5)
     sub = torch.randn(*lead, x.shape[-1], device="cuda").to(dtype)

@@ -195,13 +195,16 @@ def _module(step: str, n: int, dim: int, out_dtype: torch.dtype, acc: torch.dtyp
 
 def pre_launch_config(rows: int, n: int, dim: int, cuda: bool, device: int | None = None) -> dict[str, int]:
     """Split-K sized so rows x splits fill the GPU (about two programs per SM), rows in blocks of 16 to 64 (a
-    block reuses each fn tile for all its rows); one row and one warp per finishing program on the GPU (its
-    reductions stay inside a warp), many rows under the CPU interpreter (whose cost is per program).
+    block reuses each fn tile for all its rows); one warp per finishing program on the GPU (its reductions stay
+    inside a warp) taking one row up to 64 rows and four beyond, many rows under the CPU interpreter (whose cost
+    is per program).
 
     H200 sweep at V4-Flash dims (pre+post as one CUDA-graph replay, batch 1/4/16/64): 128 splits of 128
     columns beat 32 or 64 splits and 256 splits of 64; a finishing warp beats 2 or 4 (19.3 against 25.1 us
     at batch 1); 2 projection warps win up to 16 rows (18.6 against 19.3 us), 4 at 64 rows; 32-row blocks
-    match 64-row ones at 64 rows (31.1 against 31.7 us), 16-row blocks lose (38.1 us)."""
+    match 64-row ones at 64 rows (31.1 against 31.7 us), 16-row blocks lose (38.1 us). H100, the finishing rows
+    (pre alone): 4 rows a warp take 8192 rows from 768.7 to 304.0 us and 2048 from 252.9 to 100.7 (8 or 16 rows
+    with 2 or 4 warps 307-362 / 106-218 us); at 64 rows 82.5 against 84.4 us."""
     width = n * dim
     block_m = 64 if not cuda or rows > 64 else 16 if rows <= 16 else 32
     block_k = 128
@@ -211,7 +214,7 @@ def pre_launch_config(rows: int, n: int, dim: int, cuda: bool, device: int | Non
     splits = max(1, min(k_blocks, triton.cdiv(target, row_blocks)))
     per_split = triton.cdiv(k_blocks, splits) * block_k
     return {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLITS": triton.cdiv(width, per_split), "PER_SPLIT": per_split,
-            "ROWS": 1 if cuda else min(64, triton_next_pow2(rows)),
+            "ROWS": (1 if rows <= 64 else 4) if cuda else min(64, triton_next_pow2(rows)),
             "BLOCK_D": min(triton_next_pow2(dim), 512 if cuda else 256), "num_warps": 2 if cuda and rows <= 16 else 4,
             "FINISH_WARPS": 1 if cuda else 4}
 
