@@ -193,7 +193,8 @@ def test_the_serve_command_serves_a_checkpoint_folder_with_its_tokenizer(tmp_pat
     Tokenizer.builtin().save(tmp_path / "tiny-ckpt")
     process = subprocess.Popen([sys.executable, "-m", "v4compile.cli", "serve", "--checkpoint",
                                 str(tmp_path / "tiny-ckpt"), "--port", "0"], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"})
+                               stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "COLUMNS": "200", "PYTHONFAULTHANDLER": "1"})
     try:
         line = ""
         while "serving" not in line:
@@ -204,4 +205,10 @@ def test_the_serve_command_serves_a_checkpoint_folder_with_its_tokenizer(tmp_pat
         assert status == 200 and reply["usage"]["prompt_tokens"] == 2, reply
     finally:
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=60) == 0
+        try:
+            code = process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+            rest = process.communicate(timeout=30)[0]
+            pytest.fail(f"the server had not stopped 60 s after SIGINT; its last output:\n{rest[-6000:]}")
+        assert code == 0
