@@ -186,13 +186,16 @@ def test_serve_bench_drives_the_server_with_concurrent_clients(server: Server,
     assert 0 < report["ttft_p50_ms"] <= report["ttft_p90_ms"]
 
 
-def test_the_serve_command_serves_a_checkpoint_folder_with_its_tokenizer(tmp_path: Path) -> None:
-    """`v4compile serve --checkpoint DIR` as a user starts it: the folder's tokenizer and name, then SIGINT stops it."""
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_the_serve_command_serves_a_checkpoint_folder_with_its_tokenizer(tmp_path: Path, stop: int) -> None:
+    """`v4compile serve --checkpoint DIR` as a user starts it: the folder's tokenizer and name, then Ctrl-C (SIGINT) or
+    SIGTERM stops it, also when it inherited SIGINT ignored (a script's background job; this test's runner)."""
     model = v4compile.DeepSeekV4(v4compile.V4Config.preset("tiny"), seed=0)
     v4compile.save(model, tmp_path / "tiny-ckpt")
     Tokenizer.builtin().save(tmp_path / "tiny-ckpt")
     process = subprocess.Popen([sys.executable, "-m", "v4compile.cli", "serve", "--checkpoint",
                                 str(tmp_path / "tiny-ckpt"), "--port", "0"], stdout=subprocess.PIPE,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
                                stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "COLUMNS": "200", "PYTHONFAULTHANDLER": "1"})
     try:
@@ -204,11 +207,12 @@ def test_the_serve_command_serves_a_checkpoint_folder_with_its_tokenizer(tmp_pat
         status, reply = _call(url + "/completions", {"model": "tiny-ckpt", "prompt": "hi", "max_tokens": 4})
         assert status == 200 and reply["usage"]["prompt_tokens"] == 2, reply
     finally:
-        process.send_signal(signal.SIGINT)
+        process.send_signal(stop)
         try:
             code = process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
             rest = process.communicate(timeout=30)[0]
-            pytest.fail(f"the server had not stopped 60 s after SIGINT; its last output:\n{rest[-6000:]}")
+            pytest.fail(f"the server had not stopped 60 s after {signal.Signals(stop).name}; its last output:\n"
+                        f"{rest[-6000:]}")
         assert code == 0

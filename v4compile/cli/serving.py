@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 from dataclasses import asdict
 from pathlib import Path
 
@@ -190,6 +191,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine = Engine(model, max_batch=args.max_batch, tokenizer=tokenizer)
     server = Server(engine, name, args.host, args.port)
     console.print(f"serving {name!r} at {server.url} (completions, chat completions; Ctrl-C stops)")
+    _stop_on_signals()
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -197,3 +199,11 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         server.close()
     return 0
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM stop the server cleanly, also when it was started with SIGINT ignored (a script's
+    background job, a test runner's worker): such a process inherits the ignoring, and Python then installs no
+    Ctrl-C handler of its own."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
