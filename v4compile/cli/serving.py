@@ -190,8 +190,8 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.name or (Path(args.checkpoint).name if args.checkpoint else f"v4compile-{args.preset}")
     engine = Engine(model, max_batch=args.max_batch, tokenizer=tokenizer)
     server = Server(engine, name, args.host, args.port)
-    console.print(f"serving {name!r} at {server.url} (completions, chat completions; Ctrl-C stops)")
     _stop_on_signals()
+    console.print(f"serving {name!r} at {server.url} (completions, chat completions; Ctrl-C stops)")
     try:
         server.serve_forever()
     except KeyboardInterrupt:
