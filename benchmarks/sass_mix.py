@@ -53,7 +53,7 @@ def _moe_case(tokens: int, gated: bool) -> Case:
     config = moe.launch_config(6 * tokens, 256, tokens, 4096, 2048, True, "fp4")
     bn = config["BN1"] if gated else config["BN2"]
     constexprs = {"GATED": gated, "CLAMP": True, "PARTIAL": False, "BM": config["BM"], "BN": bn, "BK": config["BK"],
-                  "E_BLOCK": 256, "TL_DOT": True, "SWAP": config["swap"]}
+                  "E_BLOCK": 256, "TL_DOT": True, "SWAP": config["swap"], "WIDEN": False}
     return Case(f"moe_gemm {'w1+w3' if gated else 'w2'}, {tokens} tokens (BM {config['BM']}, BN {bn}"
                 f"{', swapped' if config['swap'] else ''})",
                 SOURCE.format(fmt="fp4", dot="bfloat16"), "moe_gemm",

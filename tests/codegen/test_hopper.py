@@ -19,7 +19,7 @@ def test_the_moe_decode_tiles_main_loop_holds_its_mmas() -> None:
     vector-loads the packed weights (no byte loads: the launch's alignment hints are applied)."""
     config = moe.launch_config(6, 256, 1, 4096, 2048, True, "fp4")
     constexprs = {"GATED": True, "CLAMP": True, "PARTIAL": False, "BM": config["BM"], "BN": config["BN1"],
-                  "BK": config["BK"], "E_BLOCK": 256, "TL_DOT": True, "SWAP": config["swap"]}
+                  "BK": config["BK"], "E_BLOCK": 256, "TL_DOT": True, "SWAP": config["swap"], "WIDEN": False}
     signature = moe.GEMM_SIGNATURE | dict.fromkeys(constexprs, "constexpr")
     divisible = [n for n, t in signature.items() if t.startswith("*")] + ["N", "K", "k_part", "s_a", "s_w", "s_s",
                                                                           "s_we", "s_se", "s_o", "s_op"]

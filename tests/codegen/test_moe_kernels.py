@@ -124,6 +124,31 @@ def test_the_gpu_formulation_runs_under_the_interpreter(fmt: str, pow2: bool, to
     assert_matches(got, want)
 
 
+@pytest.mark.parametrize(("pow2", "tokens", "bk", "big_scales"), [(True, 1, 128, False), (False, 37, 256, False),
+                                                           (True, 20, 128, True)])
+def test_fp4_weights_widened_in_the_kernel_match_the_models_experts(pow2: bool, tokens: int, bk: int,
+                                                                     big_scales: bool) -> None:
+    """``widen`` (the prefill tiles' formulation: the kernel widens the packed FP4 weights itself, 4 bytes at a
+    time, for tensor cores fed from shared memory) gives the model's results; scale bytes above 128 (weights
+    beyond 2^1 per unit, taking the second power-of-two product) too."""
+    experts = make_experts("fp4", pow2)
+    if big_scales:
+        with torch.no_grad():
+            for layer in (experts.w1, experts.w3, experts.w2):
+                layer.scale.view(torch.uint8)[::2] += 20
+    x = (torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(tokens)) * 2).bfloat16()
+    weights, ids = routing(tokens, EXPERTS, TOP_K, seed=tokens)
+    config = {**moe.launch_config(tokens * TOP_K, EXPERTS, tokens, DIM, INTER, cuda=False), "tl_dot": True,
+              "widen": True, "BM": 16, "BK": bk}
+    args = (x, weights, ids, 0, *weights_of(experts), "fp4", pow2, LIMIT)
+    with torch.no_grad():
+        got = moe.moe_experts(*args, config=config)
+        want = reference.moe_experts(*args)
+    if big_scales:
+        assert int(experts.w1.scale.view(torch.uint8).max()) > 128
+    assert_matches(got, want)
+
+
 @pytest.mark.parametrize(("fmt", "pow2", "tokens", "tl_dot"), [("fp4", True, 1, True), ("fp4", False, 7, False),
                                                          ("fp8", True, 5, True), ("bf16", False, 4, False)])
 def test_k_split_gemms_match_the_models_experts(fmt: str, pow2: bool, tokens: int, tl_dot: bool) -> None:

@@ -62,7 +62,7 @@ def assert_close_normwise(got: torch.Tensor, want: torch.Tensor) -> None:
     ("fp4", True, 7, 256, 1024), ("fp8", False, 40, 16, 1152), ("fp8", True, 333, 16, 1024),
     ("bf16", False, 300, 16, 1024),
 ])
-@pytest.mark.parametrize("tier", [None, 1, 24, 100, 200])
+@pytest.mark.parametrize("tier", [None, 1, 24, 48, 100, 200])
 def test_moe_kernel_matches_dense_experts_cuda(fmt: str, pow2: bool, tokens: int, n_experts: int, dim: int,
                                                tier: int | None) -> None:
     """The default launch configuration, and each tier's (the tiles ``launch_config`` picks at 1, 24, 100 and 200
@@ -74,6 +74,29 @@ def test_moe_kernel_matches_dense_experts_cuda(fmt: str, pow2: bool, tokens: int
     config = moe.launch_config(per, n_experts, tokens, dim, 512, True, fmt)
     with torch.no_grad():
         got, want = moe.moe_experts(*args, config=config), reference.moe_experts(*args)
+    assert_close_normwise(got, want)
+
+
+@pytest.mark.parametrize(("tokens", "n_experts", "tiles"), [
+    (2048, 16, {"BM": 256, "BN1": 64, "BN2": 128, "num_warps": 8}), (333, 16, {"BM": 128, "BN1": 128, "BN2": 128}),
+    (97, 32, {"BM": 64, "BN1": 64, "BN2": 64, "num_warps": 4}), (5, 256, {"BM": 16, "num_warps": 4})])
+@pytest.mark.parametrize("big_scales", [False, True])
+def test_fp4_weights_widened_in_the_kernel_cuda(tokens: int, n_experts: int, tiles: dict, big_scales: bool) -> None:
+    """``widen``: the kernel widens the packed FP4 weights itself for tensor cores fed from shared memory (odd
+    token counts, a K of 9 quantization blocks, empty experts at 5 tokens); scale bytes above 128 too (the
+    second power-of-two product, and bf16 subnormals for code 1 kept)."""
+    experts = gpu_experts(n_experts, 1152, 512, "fp4", True)
+    if big_scales:
+        with torch.no_grad():
+            for layer in (experts.w1, experts.w3, experts.w2):
+                layer.scale.view(torch.uint8)[:, ::3] += 12
+    x = torch.randn(tokens, 1152, device="cuda").bfloat16()
+    args = op_args(experts, "fp4", True, x, n_experts, 6)
+    config = {**moe.launch_config(tokens * 6, n_experts, tokens, 1152, 512, True), **tiles, "swap": False,
+              "BK": 128, "widen": True}
+    with torch.no_grad():
+        got, want = moe.moe_experts(*args, config=config), reference.moe_experts(*args)
+        assert torch.equal(got, moe.moe_experts(*args, config=config))
     assert_close_normwise(got, want)
 
 

@@ -57,8 +57,12 @@ def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, c
     the column operand, 32 weight rows on two warps, K blocks of 256, three stages. One Flash layer on the H100 at 1
     / 16 / 64 tokens: 86.8 / 585.2 / 1424.9 us against 93.6 / 717.9 / 1719.4 for the 16-row tile it replaced (the
     activation's 16-row padding gone: 4.8 SASS instructions a weight in the loop against 5.4-6.0, and the loop
-    is issue-bound; ``benchmarks/sass_mix.py``, NOTES.md 33rd). Beyond: 32 rows up to 64 pairs an expert; 128 rows
-    on 128-wide output blocks; FP4 experts beyond 128 pairs, 256 rows, so each widened weight serves twice the rows
+    is issue-bound; ``benchmarks/sass_mix.py``, NOTES.md 33rd). Beyond: 32 rows up to 32 pairs an expert; FP4
+    experts up to 64 pairs, 64 rows on 128-wide output blocks with the weights widened by the kernel itself
+    (``widen``: 4 packed bytes at a time, stored to shared memory as the tensor cores' column operand) on the H100
+    at 1536 / 2048 / 2560 tokens 4.16 / 4.34 / 5.30 ms against 4.62 / 5.36 / 6.29 for the 32-row ``tl.dot_scaled``
+    tile (and 5.88-6.28 for that tile at 64 rows: the widening, not the tile, gains; it lost at 1024, 4096 and
+    8192 tokens, NOTES.md 36th); 128 rows on 128-wide output blocks; FP4 experts beyond 128 pairs, 256 rows, so each widened weight serves twice the rows
     (8192 tokens on the H100 took 9.99 against 11.64 ms per Flash layer, bitwise the same; not measured for FP8 and
     bf16 experts); K blocks of 128 (the quantization block; ``BK`` is the largest K block, each GEMM takes the
     largest that fits its K in whole quantization blocks), each the fastest measured at V4-Flash's shape on the H200
@@ -70,19 +74,21 @@ def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, c
         return {"programs": 0, "BM": 16, "BN1": min(256, triton_next_pow2(inter)),
                 "BN2": min(256, triton_next_pow2(dim)),
                 "BK": 512, "BT": 64, "BD": triton_next_pow2(dim), "BR": 64, "tl_dot": False, "swap": False,
-                "num_warps": 4, "num_stages": 1}
+                "widen": False, "num_warps": 4, "num_stages": 1}
     per_expert = pairs / max(n_local, 1)
     if per_expert <= 16:
         tiles = {"BM": 8 if per_expert <= 8 else 16, "BN1": 32, "BN2": 32, "BK": 256, "swap": True, "num_warps": 2,
                  "num_stages": 3}
-    elif per_expert <= 64:
+    elif per_expert <= 32 or (per_expert <= 64 and fmt != "fp4"):
         tiles = {"BM": 32, "BN1": 64, "BN2": 64, "num_warps": 4, "num_stages": 3}
+    elif per_expert <= 64:
+        tiles = {"BM": 64, "BN1": 128, "BN2": 128, "num_warps": 4, "num_stages": 3, "widen": True}
     elif per_expert <= 128 or fmt != "fp4":
         tiles = {"BM": 128, "BN1": 128, "BN2": 128, "num_warps": 8, "num_stages": 3}
     else:
         tiles = {"BM": 256, "BN1": 64, "BN2": 128, "num_warps": 8, "num_stages": 2}
-    return {"BK": 128, "swap": False, **tiles, "programs": 1024, "BT": 1 if tokens < 512 else 4, "BD": 512, "BR": 16,
-            "tl_dot": True}
+    return {"BK": 128, "swap": False, "widen": False, **tiles, "programs": 1024, "BT": 1 if tokens < 512 else 4,
+            "BD": 512, "BR": 16, "tl_dot": True}
 
 
 def _module(fmt: str, cuda: bool) -> object:
@@ -180,7 +186,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     counts = torch.empty(n_local, dtype=torch.int32, device=device)
     order = torch.empty(pairs, dtype=torch.int32, device=device)
     slots = torch.empty(pairs, dtype=torch.int32, device=device)
-    permute = fmt == "fp4" and not config["tl_dot"]
+    permute = fmt == "fp4" and (not config["tl_dot"] or bool(config["widen"]))
     x_q = torch.empty_like(x) if quantized else x
     y = torch.empty(tokens, dim, dtype=torch.float32, device=device)
     tiles = min(pairs, triton.cdiv(pairs, bm) + min(n_local, pairs))
@@ -216,7 +222,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
             a, weights, order, counts, *w, dst, n_local, top_k, n, k, split[1], a.stride(0),
             dst.stride(-2), dst.stride(0) if partial else 0, *row, w[0].stride(0), scale_stride, float(limit),
             GATED=gated, CLAMP=limit > 0, PARTIAL=partial, BM=bm, BN=bn, BK=k_block(k), E_BLOCK=e_block,
-            TL_DOT=config["tl_dot"], SWAP=config["swap"], num_warps=warps, num_stages=stages)
+            TL_DOT=config["tl_dot"], SWAP=config["swap"], WIDEN=bool(config["widen"]) and fmt == "fp4",
+            num_warps=warps, num_stages=stages)
 
     split1 = parts(inter, dim, config["BN1"])
     split2 = parts(dim, inter, config["BN2"])

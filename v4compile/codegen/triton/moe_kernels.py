@@ -7,7 +7,9 @@ per 32) that Triton widens to bf16 in registers, exactly, on Hopper; the bf16 pr
 activation's are exact in fp32 and the tensor cores accumulate in fp32, so only the summation order differs from
 the model. Scales are widened without NaN handling (``fast_math``, 10-35% faster): exact for every scale byte the
 quantizer writes (1..254, ``quant.float_to_e8m0`` over floored amaxes); a byte 0 (2^-127) would read as 0.
-Native FP8 dots were measured slower at every tile size and sum in about 14 bits (benchmarks/NOTES.md).
+Native FP8 dots were measured slower at every tile size and sum in about 14 bits (benchmarks/NOTES.md). The
+FP4 tiles of 33-64 pairs an expert widen the weights themselves instead (``_widen_fp4``: the same exact bf16
+values, built from the code bits; the products then ``tl.dot`` with the weights as the column operand).
 Triton's CPU interpreter cannot multiply bf16 tensors and its dot is numpy's unblocked matmul loop: there the
 weights are dequantized in registers to fp32 (each FP4 128-block's activation stored even columns first, to pair
 with the low and high nibbles of the packed bytes) and multiplied by a broadcast product and sum (``tl_dot``
@@ -26,6 +28,7 @@ import triton.language as tl
 
 FMT = tl.constexpr("{fmt}")
 DOT = tl.{dot}
+DOT_BF16 = tl.constexpr("{dot}" == "bfloat16")
 ''' + ROUND_BF16 + FORMATS_SOURCE + '''
 
 
@@ -78,10 +81,10 @@ def _row_block(rows, BR: tl.constexpr):
 @triton.jit
 def _store_block(OUT, r, c, s_o, y, mask, PERMUTE: tl.constexpr):
     # y [BR, 128] as bf16 into rows r, columns c of block program_id(1); PERMUTE: the block's even columns first
-    # (the order moe_gemm's interpreter formulation reads an FP4 expert's activation in)
+    # (the order moe_gemm's widened and interpreter formulations read an FP4 expert's activation in), reordered in
+    # registers so the store stays contiguous
     if PERMUTE:
-        j = tl.arange(0, 128)
-        c = tl.program_id(1) * 128 + (j % 2) * 64 + j // 2
+        y = tl.reshape(tl.permute(tl.reshape(y, [y.shape[0], 64, 2]), (0, 2, 1)), [y.shape[0], 128])
     tl.store(OUT + r[:, None] * s_o + c[None, :], y.to(tl.bfloat16), mask=mask)
 
 
@@ -176,16 +179,68 @@ def _dot_scaled(a, acc, W, S, n, nm, k0, s_w, s_s, BK: tl.constexpr, SWAP: tl.co
 
 
 @triton.jit
+def _halves(x):
+    # the two 16-bit halves of each uint32 word, as a trailing pair (low half first)
+    return tl.join((x & 0xFFFF).to(tl.int16), (x >> 16).to(tl.int16))
+
+
+@triton.jit
+def _as_dot(bits):
+    # int16 bf16 bit patterns as DOT values (fp32 built from the bits: the interpreter's bf16 casts flush subnormals)
+    if DOT_BF16:
+        value = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        value = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return value
+
+
+@triton.jit
+def _widen_fp4(w, scale, BN: tl.constexpr, BK: tl.constexpr):
+    # w [BN, BK // 8] uint32 words of packed e2m1 codes (4 bytes, 8 codes a word), scale [BN, BK // 32] its e8m0
+    # bytes -> the low and the high nibbles, each [BN, BK // 2] as DOT values times their scale. Bytes 0 and 2 of
+    # a word (then 1 and 3) go to the two 16-bit halves of a bf16 pair: a code's magnitude bits land in bf16's
+    # exponent and mantissa as value x 2^-126 (code 1 a subnormal), its sign bit on bf16's, both halves at once;
+    # then two exact power-of-two products, 2^(min(s, 128) - 1) and 2^(s - min(s, 128)), each a bf16
+    lo = tl.join(_halves(((w & 0x70007) << 6) | ((w & 0x80008) << 12)),
+                 _halves(((w & 0x7000700) >> 2) | ((w & 0x8000800) << 4)))
+    hi = tl.join(_halves(((w & 0x700070) << 2) | ((w & 0x800080) << 8)),
+                 _halves(((w & 0x70007000) >> 6) | (w & 0x80008000)))
+    s = scale.to(tl.int16)
+    low = tl.minimum(s, 128)
+    s_lo = _as_dot((low + 126) << 7)[:, :, None, None, None]
+    s_hi = _as_dot((s - low + 127) << 7)[:, :, None, None, None]
+    lo = tl.reshape(_as_dot(lo), [BN, BK // 32, 4, 2, 2]) * s_lo * s_hi
+    hi = tl.reshape(_as_dot(hi), [BN, BK // 32, 4, 2, 2]) * s_lo * s_hi
+    return tl.reshape(lo, [BN, BK // 2]), tl.reshape(hi, [BN, BK // 2])
+
+
+@triton.jit
+def _dot_widened(a0, a1, acc, W, S, n, nm, k0, s_w, s_s, BN: tl.constexpr, BK: tl.constexpr):
+    # acc + the product of a (a0: the even, a1: the odd columns of each 128-block, moe_quant's PERMUTE order) with
+    # the FP4 expert rows n, columns k0..k0+BK, widened here (``_widen_fp4``) and stored by Triton to shared memory
+    # as the tensor cores' column operand; the low nibbles pair with a0, the high with a1
+    j = k0 // 8 + tl.arange(0, BK // 8)
+    g = k0 // 32 + tl.arange(0, BK // 32)
+    words = tl.load(W.to(tl.pointer_type(tl.uint32)) + n[:, None] * (s_w // 4) + j[None, :], mask=nm[:, None],
+                    other=0)
+    scale = tl.load(S + n[:, None] * s_s + g[None, :], mask=nm[:, None], other=127)
+    w_lo, w_hi = _widen_fp4(words, scale, BN, BK)
+    acc = tl.dot(a0, tl.trans(w_lo), acc, input_precision="ieee")
+    return tl.dot(a1, tl.trans(w_hi), acc, input_precision="ieee")
+
+
+@triton.jit
 def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k, N, K, k_part,
              s_a, s_o, s_op, s_w, s_s, s_we, s_se, limit, GATED: tl.constexpr, CLAMP: tl.constexpr,
              PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_BLOCK: tl.constexpr,
-             TL_DOT: tl.constexpr, SWAP: tl.constexpr):
+             TL_DOT: tl.constexpr, SWAP: tl.constexpr, WIDEN: tl.constexpr):
     # GATED: OUT[slot] = bf16(weight * silu(min(bf16(A W_A^T), L)) * clamp(bf16(A W_B^T), -L, L)) with A's
     # rows gathered by token; else OUT[slot] = bf16(A[slot] W_A^T). Expert e's weight is W + e * s_we (its
     # scale S + e * s_se) in the stacked tensors. Programs of one row tile are adjacent (its rows stay in L2).
     # PARTIAL: program_id(1) sums only K columns [k_part * id, k_part * (id + 1)) and stores its fp32 sums at
     # OUT + id * s_op (A W_A^T at column n, A W_B^T at N + n); the finishing kernels add the parts in order.
-    # SWAP (FP4/FP8 on tensor cores): the products computed transposed (``_dot_scaled``)
+    # SWAP (FP4/FP8 on tensor cores): the products computed transposed (``_dot_scaled``). WIDEN (FP4): the
+    # weights widened by ``_dot_widened``, A in moe_quant's PERMUTE order
     tile = tl.program_id(0) // tl.cdiv(N, BN)
     nb = tl.program_id(0) % tl.cdiv(N, BN)
     e, row0, offset, count = _locate(COUNTS, n_local, tile, BM, E_BLOCK)
@@ -207,7 +262,18 @@ def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k
     nm = n < N
     k_lo = tl.program_id(1) * k_part
     k_hi = tl.minimum(k_lo + k_part, K)
-    if FMT != "bf16" and TL_DOT:
+    if FMT == "fp4" and WIDEN:
+        acc_a = tl.zeros([BM, BN], tl.float32)
+        acc_b = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            j = tl.arange(0, BK // 2)
+            col = k0 + (j // 64) * 128 + j % 64
+            a0 = tl.load(A + rows[:, None] * s_a + col[None, :], mask=rm[:, None], other=0.0).to(DOT)
+            a1 = tl.load(A + rows[:, None] * s_a + (col + 64)[None, :], mask=rm[:, None], other=0.0).to(DOT)
+            acc_a = _dot_widened(a0, a1, acc_a, wa, sa, n, nm, k0, s_w, s_s, BN, BK)
+            if GATED:
+                acc_b = _dot_widened(a0, a1, acc_b, wb, sb, n, nm, k0, s_w, s_s, BN, BK)
+    elif FMT != "bf16" and TL_DOT:
         if SWAP:
             acc_a = tl.zeros([BN, BM], tl.float32)
             acc_b = tl.zeros([BN, BM], tl.float32)
