@@ -62,9 +62,9 @@ def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, c
     (``widen``: 4 packed bytes at a time, stored to shared memory as the tensor cores' column operand) on the H100
     at 1536 / 2048 / 2560 tokens 4.16 / 4.34 / 5.30 ms against 4.62 / 5.36 / 6.29 for the 32-row ``tl.dot_scaled``
     tile (and 5.88-6.28 for that tile at 64 rows: the widening, not the tile, gains; it lost at 1024, 4096 and
-    8192 tokens, NOTES.md 36th); 128 rows on 128-wide output blocks; FP4 experts beyond 128 pairs, 256 rows, so each widened weight serves twice the rows
-    (8192 tokens on the H100 took 9.99 against 11.64 ms per Flash layer, bitwise the same; not measured for FP8 and
-    bf16 experts); K blocks of 128 (the quantization block; ``BK`` is the largest K block, each GEMM takes the
+    8192 tokens, NOTES.md 36th); 128 rows on 128-wide output blocks; FP4 experts beyond 128 pairs, 256 rows, so
+    each widened weight serves twice the rows (8192 tokens on the H100 took 9.99 against 11.64 ms per Flash layer,
+    bitwise the same; not measured for FP8 and bf16 experts); K blocks of 128 (the quantization block; ``BK`` is the largest K block, each GEMM takes the
     largest that fits its K in whole quantization blocks), each the fastest measured at V4-Flash's shape on the H200
     (256 experts at 1, 64 and 8192 tokens, 16 at 64: benchmarks/NOTES.md); the interpreter gets few, large programs
     (its cost is per program and op, not per element). ``programs``: a GEMM with fewer programs than this splits
