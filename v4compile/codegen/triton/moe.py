@@ -56,20 +56,21 @@ def launch_config(pairs: int, n_local: int, tokens: int, dim: int, inter: int, c
     computed transposed (``swap``): the weights are the tensor cores' 16-row operand and an expert's 8 (or 16) pairs
     the column operand, 32 weight rows on two warps, K blocks of 256, three stages. One Flash layer on the H100 at 1
     / 16 / 64 tokens: 86.8 / 585.2 / 1424.9 us against 93.6 / 717.9 / 1719.4 for the 16-row tile it replaced (the
-    activation's 16-row padding gone: 4.8 SASS instructions a weight in the loop against 5.4-6.0, and the loop
-    is issue-bound; ``benchmarks/sass_mix.py``, NOTES.md 33rd). Beyond: 32 rows up to 32 pairs an expert; FP4
-    experts up to 64 pairs, 64 rows on 128-wide output blocks with the weights widened by the kernel itself
-    (``widen``: 4 packed bytes at a time, stored to shared memory as the tensor cores' column operand) on the H100
-    at 1536 / 2048 / 2560 tokens 4.16 / 4.34 / 5.30 ms against 4.62 / 5.36 / 6.29 for the 32-row ``tl.dot_scaled``
-    tile (and 5.88-6.28 for that tile at 64 rows: the widening, not the tile, gains; it lost at 1024, 4096 and
-    8192 tokens, NOTES.md 36th); 128 rows on 128-wide output blocks; FP4 experts beyond 128 pairs, 256 rows, so
-    each widened weight serves twice the rows (8192 tokens on the H100 took 9.99 against 11.64 ms per Flash layer,
-    bitwise the same; not measured for FP8 and bf16 experts); K blocks of 128 (the quantization block; ``BK`` is the largest K block, each GEMM takes the
-    largest that fits its K in whole quantization blocks), each the fastest measured at V4-Flash's shape on the H200
-    (256 experts at 1, 64 and 8192 tokens, 16 at 64: benchmarks/NOTES.md); the interpreter gets few, large programs
-    (its cost is per program and op, not per element). ``programs``: a GEMM with fewer programs than this splits
-    its K into parts until it has about that many (one token on the H100: the gated GEMM's 384 programs fill under
-    half a wave, two parts took the layer from 94.3 to 86.5 us; more parts were slower)."""
+    activation's 16-row padding gone: 4.8 SASS instructions a weight in the loop against 5.4-6.0, and the loop is
+    issue-bound; ``benchmarks/sass_mix.py``, NOTES.md 33rd). Beyond: 32 rows up to 32 pairs an expert; FP4 experts
+    up to 64 pairs, 64 rows on 128-wide output blocks with the weights widened by the kernel itself (``widen``: 4
+    packed bytes at a time, stored to shared memory as the tensor cores' column operand) on the H100 at 1536 / 2048
+    / 2560 tokens 4.16 / 4.34 / 5.30 ms against 4.62 / 5.36 / 6.29 for the 32-row ``tl.dot_scaled`` tile (and
+    5.88-6.28 for that tile at 64 rows: the widening, not the tile, gains; it lost at 1024, 4096 and 8192 tokens,
+    NOTES.md 36th); 128 rows on 128-wide output blocks; FP4 experts beyond 128 pairs, 256 rows, so each widened
+    weight serves twice the rows (8192 tokens on the H100 took 9.99 against 11.64 ms per Flash layer, bitwise the
+    same; not measured for FP8 and bf16 experts); K blocks of 128 (the quantization block; ``BK`` is the largest K
+    block, each GEMM takes the largest that fits its K in whole quantization blocks), each the fastest measured at
+    V4-Flash's shape on the H200 (256 experts at 1, 64 and 8192 tokens, 16 at 64: benchmarks/NOTES.md); the
+    interpreter gets few, large programs (its cost is per program and op, not per element). ``programs``: a GEMM
+    with fewer programs than this splits its K into parts until it has about that many (one token on the H100: the
+    gated GEMM's 384 programs fill under half a wave, two parts took the layer from 94.3 to 86.5 us; more parts were
+    slower)."""
     if not cuda:
         return {"programs": 0, "BM": 16, "BN1": min(256, triton_next_pow2(inter)),
                 "BN2": min(256, triton_next_pow2(dim)),
