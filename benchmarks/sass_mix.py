@@ -27,6 +27,10 @@ ISSUE_RATE = 132 * 4 * 32 * 1.75e9
 """Thread-instructions per second an H100 or H200 issues at most (SMs x schedulers x lanes x clock)."""
 COPY_RATES = {"H100": 3.0e12, "H200": 4.25e12}
 """Measured device-to-device copy rates, bytes per second (RESULTS.md, Machines)."""
+PREFILL_TOKENS = (2048, 8192)
+"""Prefill batches whose MoE tiles are listed too: the widened 64-row tier and the 256-row ``tl.dot_scaled`` tier
+(no byte budget: each weight serves many rows; what matters there is whether widening overlaps the MMA, which the
+``wgmma drains`` column shows: waits for every in-flight ``wgmma`` inside the loop)."""
 DIVISIBLE_INTS = ("N", "K", "k_part", "s_a", "s_o", "s_op", "s_w", "s_s", "s_we", "s_se", "M", "s_x", "s_c",
                   "s_ws", "s_part")
 
@@ -53,9 +57,9 @@ def _moe_case(tokens: int, gated: bool) -> Case:
     config = moe.launch_config(6 * tokens, 256, tokens, 4096, 2048, True, "fp4")
     bn = config["BN1"] if gated else config["BN2"]
     constexprs = {"GATED": gated, "CLAMP": True, "PARTIAL": False, "BM": config["BM"], "BN": bn, "BK": config["BK"],
-                  "E_BLOCK": 256, "TL_DOT": True, "SWAP": config["swap"], "WIDEN": False}
-    return Case(f"moe_gemm {'w1+w3' if gated else 'w2'}, {tokens} tokens (BM {config['BM']}, BN {bn}"
-                f"{', swapped' if config['swap'] else ''})",
+                  "E_BLOCK": 256, "TL_DOT": True, "SWAP": config["swap"], "WIDEN": bool(config["widen"])}
+    form = ", swapped" if config["swap"] else ", widened" if config["widen"] else ""
+    return Case(f"moe_gemm {'w1+w3' if gated else 'w2'}, {tokens} tokens (BM {config['BM']}, BN {bn}{form})",
                 SOURCE.format(fmt="fp4", dot="bfloat16"), "moe_gemm",
                 moe.GEMM_SIGNATURE | dict.fromkeys(constexprs, "constexpr"), constexprs,
                 config["num_warps"], (2 if gated else 1) * bn * config["BK"], 2)
@@ -80,9 +84,10 @@ def measure(case: Case) -> dict[str, object]:
     loop = main_loop(sm90_sass(ptx))
     threads = 32 * case.num_warps
     budget = {card: round(ISSUE_RATE / (rate * case.weights_per_byte), 2) for card, rate in COPY_RATES.items()}
+    waits = sum(1 for t in loop.text if "WARPGROUP.DEPBAR.LE" in t and t.rstrip().endswith("0x0"))
     return {"case": case.name, "loop_instructions": loop.instructions,
             "per_weight": round(loop.per(case.weights, threads), 2), "budget": budget,
-            "opcodes": dict(loop.opcodes.most_common(8))}
+            "opcodes": dict(loop.opcodes.most_common(8)), "wgmma_drains": waits}
 
 
 def main() -> None:
@@ -90,14 +95,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
-    cases = [_moe_case(1, True), _moe_case(1, False), _fp8_case(1, 4096, 8192), _fp8_case(16, 32768, 1024)]
+    cases = [_moe_case(1, True), _moe_case(1, False), _fp8_case(1, 4096, 8192), _fp8_case(16, 32768, 1024),
+             *(_moe_case(tokens, gated) for tokens in PREFILL_TOKENS for gated in (True, False))]
     rows = [measure(c) for c in cases]
-    print("| kernel, launch | SASS a loop iteration (per thread) | per weight | budget H100 / H200 | top opcodes |")
-    print("|---|---|---|---|---|")
+    print("| kernel, launch | SASS a loop iteration (per thread) | per weight | budget H100 / H200 "
+          "| wgmma drains a loop | top opcodes |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         top = ", ".join(f"{k} {v}" for k, v in list(r["opcodes"].items())[:5])
-        print(f"| {r['case']} | {r['loop_instructions']} | {r['per_weight']} | {r['budget']['H100']} / "
-              f"{r['budget']['H200']} | {top} |")
+        budget = "-" if any(f" {t} tokens" in r["case"] for t in PREFILL_TOKENS) else \
+            f"{r['budget']['H100']} / {r['budget']['H200']}"
+        print(f"| {r['case']} | {r['loop_instructions']} | {r['per_weight']} | {budget} | {r['wgmma_drains']} "
+              f"| {top} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

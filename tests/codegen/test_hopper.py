@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from v4compile.codegen.triton import moe
@@ -33,6 +35,27 @@ def test_the_moe_decode_tiles_main_loop_holds_its_mmas() -> None:
     assert not any(".U8" in t and t.startswith("LDG") for t in sass)
     weights = 2 * config["BN1"] * config["BK"]
     assert loop.per(weights, 32 * config["num_warps"]) == loop.instructions * 32 * config["num_warps"] / weights
+
+
+def test_the_widened_fp4_tile_runs_on_tensor_cores_from_words() -> None:
+    """The FP4 tile of 33-64 pairs an expert (2048 tokens at V4-Flash's shape) widens the packed weights itself:
+    its loop issues Hopper's ``wgmma`` (``HGMMA``) and reads the weights as whole words: no byte loads from shared
+    memory (the ``tl.dot_scaled`` form's ``LDS.U8``), and from memory only the scale bytes (one per 32 weights)."""
+    config = moe.launch_config(6 * 2048, 256, 2048, 4096, 2048, True, "fp4")
+    assert config["widen"] and config["BM"] == 64
+    constexprs = {"GATED": True, "CLAMP": True, "PARTIAL": False, "BM": config["BM"], "BN": config["BN1"],
+                  "BK": config["BK"], "E_BLOCK": 256, "TL_DOT": True, "SWAP": False, "WIDEN": True}
+    signature = moe.GEMM_SIGNATURE | dict.fromkeys(constexprs, "constexpr")
+    divisible = [n for n, t in signature.items() if t.startswith("*")] + ["N", "K", "k_part", "s_a", "s_w", "s_s",
+                                                                          "s_we", "s_se", "s_o", "s_op"]
+    ptx = sm90_ptx(SOURCE.format(fmt="fp4", dot="bfloat16"), "moe_gemm", signature, constexprs, divisible,
+                   config["num_warps"])
+    loop = main_loop(sm90_sass(ptx))
+    assert loop.opcodes["HGMMA"] > 0
+    byte_loads = [t for t in loop.text if re.match(r"(@!?U?P\w+\s+)?LD[SG]\S*\.U8", t)]
+    scale_bytes = 2 * config["BN1"] * config["BK"] // 32 // (32 * config["num_warps"])
+    assert not any(t.lstrip("@!P0123456789 ").startswith("LDS") for t in byte_loads)
+    assert len(byte_loads) <= scale_bytes, byte_loads
 
 
 def test_a_kernel_the_gpu_compiler_rejects_is_named() -> None:

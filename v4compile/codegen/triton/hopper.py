@@ -80,6 +80,8 @@ class LoopMix:
 
     instructions: int
     opcodes: Counter[str]
+    text: list[str]
+    """The loop's instructions as listed."""
 
     def per(self, elements: int, threads: int) -> float:
         """Instructions per element when ``threads`` threads cover ``elements`` elements (e.g. weights) an
@@ -96,4 +98,4 @@ def main_loop(sass: list[str]) -> LoopMix:
         if start < i and i + 1 - start > len(best):
             best = sass[start:i + 1]
     opcodes = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in best)
-    return LoopMix(len(best), opcodes)
+    return LoopMix(len(best), opcodes, best)
