@@ -116,9 +116,10 @@ def test_k_split_gemms_cuda(fmt: str, pow2: bool, tokens: int) -> None:
     assert_close_normwise(got, want)
 
 
-@pytest.mark.parametrize("tokens", [16, 300])
+@pytest.mark.parametrize("tokens", [16, 100, 300])
 def test_every_token_on_the_same_experts_cuda(tokens: int) -> None:
-    """Six experts full (every token chose them), ten empty: 32-row tiles, then 128-row tiles."""
+    """Six experts full (every token chose them), ten empty: the transposed 8-row decode tile, the widened 64-row
+    tile (37.5 pairs an expert on average, 100 on each chosen one), then 128-row tiles."""
     experts = gpu_experts(16, 1024, 512, "fp4", True)
     x = torch.randn(tokens, 1024, device="cuda").bfloat16()
     x_in, weights, ids, *rest = op_args(experts, "fp4", True, x, 16, 6)
