@@ -8,10 +8,25 @@ import re
 import pytest
 
 from v4compile.codegen.triton import moe
-from v4compile.codegen.triton.hopper import main_loop, sm90_ptx, sm90_sass
+from v4compile.codegen.triton.hopper import main_loop, sm90_ptx, sm90_sass, unpredicated
 from v4compile.codegen.triton.moe_kernels import SOURCE
 
 pytest.importorskip("triton.backends.nvidia")
+
+
+def _gated_fp4_sass(tokens: int) -> tuple[dict, list[str]]:
+    """The launch configuration of the gated FP4 GEMM at ``tokens`` tokens (V4-Flash's shape: 256 experts, top-6,
+    dim 4096, inter 2048) and the kernel's SASS for sm_90 with the launch's alignment hints."""
+    config = moe.launch_config(6 * tokens, 256, tokens, 4096, 2048, True, "fp4")
+    constexprs = {"GATED": True, "CLAMP": True, "PARTIAL": False, "BM": config["BM"], "BN": config["BN1"],
+                  "BK": config["BK"], "E_BLOCK": 256, "TL_DOT": True, "SWAP": config["swap"],
+                  "WIDEN": config["widen"]}
+    signature = moe.GEMM_SIGNATURE | dict.fromkeys(constexprs, "constexpr")
+    divisible = [n for n, t in signature.items() if t.startswith("*")] + ["N", "K", "k_part", "s_a", "s_w", "s_s",
+                                                                          "s_we", "s_se", "s_o", "s_op"]
+    ptx = sm90_ptx(SOURCE.format(fmt="fp4", dot="bfloat16"), "moe_gemm", signature, constexprs, divisible,
+                   config["num_warps"])
+    return config, sm90_sass(ptx)
 
 
 def test_the_moe_decode_tiles_main_loop_holds_its_mmas() -> None:
@@ -19,15 +34,7 @@ def test_the_moe_decode_tiles_main_loop_holds_its_mmas() -> None:
     runs the tile's tensor-core MMAs (2 weights x BK/16 k-steps x BN x BM / (16 x 8) output tiles, shared by the
     warps; the decode tile computes the product transposed, the weights as the 16-row side) and
     vector-loads the packed weights (no byte loads: the launch's alignment hints are applied)."""
-    config = moe.launch_config(6, 256, 1, 4096, 2048, True, "fp4")
-    constexprs = {"GATED": True, "CLAMP": True, "PARTIAL": False, "BM": config["BM"], "BN": config["BN1"],
-                  "BK": config["BK"], "E_BLOCK": 256, "TL_DOT": True, "SWAP": config["swap"], "WIDEN": False}
-    signature = moe.GEMM_SIGNATURE | dict.fromkeys(constexprs, "constexpr")
-    divisible = [n for n, t in signature.items() if t.startswith("*")] + ["N", "K", "k_part", "s_a", "s_w", "s_s",
-                                                                          "s_we", "s_se", "s_o", "s_op"]
-    ptx = sm90_ptx(SOURCE.format(fmt="fp4", dot="bfloat16"), "moe_gemm", signature, constexprs, divisible,
-                   config["num_warps"])
-    sass = sm90_sass(ptx)
+    config, sass = _gated_fp4_sass(1)
     loop = main_loop(sass)
     mmas = 2 * (config["BK"] // 16) * (config["BN1"] * config["BM"] // 128) // config["num_warps"]
     assert loop.opcodes["HMMA"] == mmas and sum(t.startswith("HMMA") for t in sass) >= mmas
@@ -41,20 +48,13 @@ def test_the_widened_fp4_tile_runs_on_tensor_cores_from_words() -> None:
     """The FP4 tile of 33-64 pairs an expert (2048 tokens at V4-Flash's shape) widens the packed weights itself:
     its loop issues Hopper's ``wgmma`` (``HGMMA``) and reads the weights as whole words: no byte loads from shared
     memory (the ``tl.dot_scaled`` form's ``LDS.U8``), and from memory only the scale bytes (one per 32 weights)."""
-    config = moe.launch_config(6 * 2048, 256, 2048, 4096, 2048, True, "fp4")
+    config, sass = _gated_fp4_sass(2048)
     assert config["widen"] and config["BM"] == 64
-    constexprs = {"GATED": True, "CLAMP": True, "PARTIAL": False, "BM": config["BM"], "BN": config["BN1"],
-                  "BK": config["BK"], "E_BLOCK": 256, "TL_DOT": True, "SWAP": False, "WIDEN": True}
-    signature = moe.GEMM_SIGNATURE | dict.fromkeys(constexprs, "constexpr")
-    divisible = [n for n, t in signature.items() if t.startswith("*")] + ["N", "K", "k_part", "s_a", "s_w", "s_s",
-                                                                          "s_we", "s_se", "s_o", "s_op"]
-    ptx = sm90_ptx(SOURCE.format(fmt="fp4", dot="bfloat16"), "moe_gemm", signature, constexprs, divisible,
-                   config["num_warps"])
-    loop = main_loop(sm90_sass(ptx))
+    loop = main_loop(sass)
     assert loop.opcodes["HGMMA"] > 0
-    byte_loads = [t for t in loop.text if re.match(r"(@!?U?P\w+\s+)?LD[SG]\S*\.U8", t)]
+    byte_loads = [op for op in map(unpredicated, loop.text) if re.match(r"LD[SG]\S*\.U8", op)]
     scale_bytes = 2 * config["BN1"] * config["BK"] // 32 // (32 * config["num_warps"])
-    assert not any(t.lstrip("@!P0123456789 ").startswith("LDS") for t in byte_loads)
+    assert not any(op.startswith("LDS") for op in byte_loads)
     assert len(byte_loads) <= scale_bytes, byte_loads
 
 

@@ -74,14 +74,27 @@ def sm90_sass(ptx: str) -> list[str]:
     return [m.group(2).strip() for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", listing)]
 
 
+def unpredicated(instruction: str) -> str:
+    """A SASS instruction without its predicate guard (``@!P0 LDG.E.U8 ...`` -> ``LDG.E.U8 ...``)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction)
+
+
 @dataclass
 class LoopMix:
     """The longest loop of a kernel's SASS: how many instructions a thread issues per iteration, by opcode."""
 
-    instructions: int
-    opcodes: Counter[str]
     text: list[str]
     """The loop's instructions as listed."""
+
+    @property
+    def instructions(self) -> int:
+        """Instructions a thread issues per iteration."""
+        return len(self.text)
+
+    @property
+    def opcodes(self) -> Counter[str]:
+        """The iteration's instructions counted by opcode (``LDG.E.U8`` counts as ``LDG``)."""
+        return Counter(unpredicated(t).split()[0].split(".")[0] for t in self.text)
 
     def per(self, elements: int, threads: int) -> float:
         """Instructions per element when ``threads`` threads cover ``elements`` elements (e.g. weights) an
@@ -97,5 +110,4 @@ def main_loop(sass: list[str]) -> LoopMix:
         start = int(target.group(1), 16) // 16 if target else i  # sm_90 instructions are 16 bytes apart
         if start < i and i + 1 - start > len(best):
             best = sass[start:i + 1]
-    opcodes = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in best)
-    return LoopMix(len(best), opcodes, best)
+    return LoopMix(best)

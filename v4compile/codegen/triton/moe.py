@@ -187,7 +187,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     counts = torch.empty(n_local, dtype=torch.int32, device=device)
     order = torch.empty(pairs, dtype=torch.int32, device=device)
     slots = torch.empty(pairs, dtype=torch.int32, device=device)
-    permute = fmt == "fp4" and (not config["tl_dot"] or bool(config["widen"]))
+    widen = fmt == "fp4" and bool(config["widen"])
+    permute = fmt == "fp4" and not config["tl_dot"] or widen
     x_q = torch.empty_like(x) if quantized else x
     y = torch.empty(tokens, dim, dtype=torch.float32, device=device)
     tiles = min(pairs, triton.cdiv(pairs, bm) + min(n_local, pairs))
@@ -223,8 +224,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
             a, weights, order, counts, *w, dst, n_local, top_k, n, k, split[1], a.stride(0),
             dst.stride(-2), dst.stride(0) if partial else 0, *row, w[0].stride(0), scale_stride, float(limit),
             GATED=gated, CLAMP=limit > 0, PARTIAL=partial, BM=bm, BN=bn, BK=k_block(k), E_BLOCK=e_block,
-            TL_DOT=config["tl_dot"], SWAP=config["swap"], WIDEN=bool(config["widen"]) and fmt == "fp4",
-            num_warps=warps, num_stages=stages)
+            TL_DOT=config["tl_dot"], SWAP=config["swap"], WIDEN=widen, num_warps=warps,
+            num_stages=stages)
 
     split1 = parts(inter, dim, config["BN1"])
     split2 = parts(dim, inter, config["BN2"])

@@ -179,6 +179,17 @@ def _dot_scaled(a, acc, W, S, n, nm, k0, s_w, s_s, BK: tl.constexpr, SWAP: tl.co
 
 
 @triton.jit
+def _permuted_halves(A, rows, rm, s_a, k0, BK: tl.constexpr):
+    # rows of A, columns k0..k0+BK stored in moe_quant's PERMUTE order (each 128-block's even columns first), as
+    # DOT: the even columns and the odd ones, [BM, BK // 2] each, both loaded contiguously
+    j = tl.arange(0, BK // 2)
+    col = k0 + (j // 64) * 128 + j % 64
+    a0 = tl.load(A + rows[:, None] * s_a + col[None, :], mask=rm[:, None], other=0.0).to(DOT)
+    a1 = tl.load(A + rows[:, None] * s_a + (col + 64)[None, :], mask=rm[:, None], other=0.0).to(DOT)
+    return a0, a1
+
+
+@triton.jit
 def _halves(x):
     # the two 16-bit halves of each uint32 word, as a trailing pair (low half first)
     return tl.join((x & 0xFFFF).to(tl.int16), (x >> 16).to(tl.int16))
@@ -266,10 +277,7 @@ def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k
         acc_a = tl.zeros([BM, BN], tl.float32)
         acc_b = tl.zeros([BM, BN], tl.float32)
         for k0 in range(k_lo, k_hi, BK):
-            j = tl.arange(0, BK // 2)
-            col = k0 + (j // 64) * 128 + j % 64
-            a0 = tl.load(A + rows[:, None] * s_a + col[None, :], mask=rm[:, None], other=0.0).to(DOT)
-            a1 = tl.load(A + rows[:, None] * s_a + (col + 64)[None, :], mask=rm[:, None], other=0.0).to(DOT)
+            a0, a1 = _permuted_halves(A, rows, rm, s_a, k0, BK)
             acc_a = _dot_widened(a0, a1, acc_a, wa, sa, n, nm, k0, s_w, s_s, BN, BK)
             if GATED:
                 acc_b = _dot_widened(a0, a1, acc_b, wb, sb, n, nm, k0, s_w, s_s, BN, BK)
@@ -297,11 +305,7 @@ def moe_gemm(A, WEIGHTS, SORTED, COUNTS, W_A, W_B, S_A, S_B, OUT, n_local, top_k
         acc_b = tl.zeros([BM, BN], tl.float32)
         for k0 in range(k_lo, k_hi, BK):
             if FMT == "fp4":
-                # A's 128-blocks hold their even columns first (moe_quant's PERMUTE): both halves load contiguously
-                j = tl.arange(0, BK // 2)
-                col = k0 + (j // 64) * 128 + j % 64
-                a0 = tl.load(A + rows[:, None] * s_a + col[None, :], mask=rm[:, None], other=0.0).to(DOT)
-                a1 = tl.load(A + rows[:, None] * s_a + (col + 64)[None, :], mask=rm[:, None], other=0.0).to(DOT)
+                a0, a1 = _permuted_halves(A, rows, rm, s_a, k0, BK)
             else:
                 k = k0 + tl.arange(0, BK)
                 a0 = tl.load(A + rows[:, None] * s_a + k[None, :], mask=rm[:, None] & (k < K)[None, :],
