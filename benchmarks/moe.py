@@ -11,6 +11,8 @@ Run on the GPU machine from the repository root:
 
     PYTHONPATH=. python3 benchmarks/moe.py [--tokens 1 16 64 8192] [--out results.json]
     PYTHONPATH=. python3 benchmarks/moe.py --tokens 1 16 64 --ours-only --tiles BN1=32,BN2=32 BN1=64,BN2=64
+    PYTHONPATH=/tmp/site:. python3 benchmarks/moe.py --tokens 4096 8192 --ours-only --backend tilelang \
+        --tiles BM1=128,BM2=128 BM1=128,BM2=256,S2=2   # TileLang unpacked to /tmp/site (shared/device/README.md)
 
 ``--tiles`` times ours once per launch-table override (each ``KEY=VALUE,...`` over ``moe.launch_config``'s entries),
 the way a tile choice is swept; ``--ours-only`` leaves out the eager and compiled columns.
@@ -54,6 +56,13 @@ def flash_moe(config: V4Config, seed: int = 0) -> MoE:
     return layer.eval()
 
 
+def tilelang_moe() -> object:
+    """``codegen.tilelang.moe`` (imported only when asked: TileLang is optional)."""
+    from v4compile.codegen.tilelang import moe as body
+
+    return body
+
+
 def parse_tile(spec: str) -> dict[str, int]:
     """``BN1=64,num_warps=2`` -> {"BN1": 64, "num_warps": 2}; a clear error naming a malformed entry."""
     tile = {}
@@ -66,9 +75,9 @@ def parse_tile(spec: str) -> dict[str, int]:
 
 
 def row(layer: MoE, config: V4Config, tokens: int, ceil: dict[str, float], compiled_experts: Callable | None,
-        tile: dict[str, int] | None = None) -> dict:
-    """Times ours (with ``tile`` over the launch table), the model's eager experts and the same compiled (unless
-    ``compiled_experts`` is None) and the floor at ``tokens`` tokens."""
+        tile: dict[str, int] | None = None, backend: str = "triton") -> dict:
+    """Times ours (``backend``'s body, with ``tile`` over its launch table), the model's eager experts and the same
+    compiled (unless ``compiled_experts`` is None) and the floor at ``tokens`` tokens."""
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, config.dim, device="cuda", generator=gen).bfloat16()
     input_ids = torch.zeros(1, tokens, dtype=torch.long, device="cuda")
@@ -79,16 +88,19 @@ def row(layer: MoE, config: V4Config, tokens: int, ceil: dict[str, float], compi
     args = (x, weights, ids, 0, *(w.weight for w in projections), *(w.scale for w in projections), "fp4",
             config.pow2_scales, config.swiglu_limit)
 
-    launch_table = moe.launch_config(ids.numel(), config.n_routed_experts, tokens, config.dim, config.moe_inter_dim,
-                                     True, "fp4")
+    tilelang = backend == "tilelang"
+    body = tilelang_moe() if tilelang else moe
+    launch_table = (body.launch_config(ids.numel(), config.n_routed_experts, True) if tilelang else
+                    moe.launch_config(ids.numel(), config.n_routed_experts, tokens, config.dim, config.moe_inter_dim,
+                                      True, "fp4")) or {}
     unknown = set(tile or {}) - set(launch_table)
     if unknown:
         raise SystemExit(f"--tiles: {sorted(unknown)} are not launch-table entries ({sorted(launch_table)})")
 
     def ours() -> torch.Tensor:
         if tile:
-            return moe.moe_experts(*args, config={**launch_table, **tile})
-        return ops.moe_experts(*args, "triton")
+            return body.moe_experts(*args, config={**launch_table, **tile})
+        return ops.moe_experts(*args, backend)
 
     def eager() -> torch.Tensor:
         return routed(x, weights, ids)
@@ -103,6 +115,7 @@ def row(layer: MoE, config: V4Config, tokens: int, ceil: dict[str, float], compi
         if not err <= 2e-2:
             raise AssertionError(f"{tokens} tokens: worst difference {err:.2e} of max|y| exceeds 2e-2")
         records = [r for n, r in REGISTRY.records.items() if n.startswith("moe_experts.")]
+        name = "moe_experts.fp4.tilelang" if tilelang and launch_table else "moe_experts.fp4.triton"
         if any(r.error for r in records):
             raise AssertionError(f"the MoE kernel fell back: {[r.error for r in records]}")
         ours_us = bench(graphed(ours), quick=True)
@@ -114,10 +127,11 @@ def row(layer: MoE, config: V4Config, tokens: int, ceil: dict[str, float], compi
     weight_bytes = touched * 3 * (matrix // 2 + matrix // quant.FP4_BLOCK)
     flops = 6 * ids.numel() * matrix
     floor_us = 1e6 * (flops / ceil["bf16_flop_per_s"] if prefill else weight_bytes / ceil["copy_bytes_per_s"])
-    launch = REGISTRY.records["moe_experts.fp4.triton"].launch
+    launch = REGISTRY.records[name].launch
+    tiles = (f"TileLang BM={launch['BM1']}/{launch['BM2']} BN={launch['BN']}" if "BM1" in launch else
+             f"BM={launch['BM']} BN={launch['BN1']}/{launch['BN2']} warps={launch['num_warps']}")
     note = (f"{touched} experts touched, {weight_bytes / 2**20:.0f} MiB of weights, {flops / 1e12:.2f} TFLOP; "
-            f"BM={launch['BM']} BN={launch['BN1']}/{launch['BN2']} warps={launch['num_warps']}; host call "
-            f"{host_us:.0f} us; max diff {err:.1e} of max|y|")
+            f"{tiles}; host call {host_us:.0f} us; max diff {err:.1e} of max|y|")
     return {"tokens": tokens, "ours_us": ours_us, "eager_us": eager_us,
             "compiled_us": compiled_us, "floor_us": floor_us, "floor": "bf16 flops" if prefill else "weight bytes",
             "note": note}
@@ -131,6 +145,8 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="+", type=parse_tile, default=[None],
                         help="launch-table overrides to time ours with, each KEY=VALUE,...")
     parser.add_argument("--ours-only", action="store_true", help="leave out the eager and compiled columns")
+    parser.add_argument("--backend", choices=("triton", "tilelang"), default="triton",
+                        help="whose moe_experts body is ours (tilelang: its FP4 GEMMs at prefill sizes)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/moe.py needs a CUDA GPU")
@@ -146,7 +162,7 @@ def main() -> None:
     for tokens in args.tokens:
         for tile in args.tiles:
             try:
-                r = row(layer, config, tokens, ceil, compiled_experts, tile)
+                r = row(layer, config, tokens, ceil, compiled_experts, tile, args.backend)
             except KernelBuildError as exc:  # a swept tile that does not fit (shared memory): say so, go on
                 if tile is None:
                     raise

@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 from dataclasses import dataclass
 
+from v4compile.codegen.tilelang.common import sm90_sass as tilelang_sass
 from v4compile.codegen.triton import fp8_linear, moe
-from v4compile.codegen.triton.hopper import main_loop, sm90_ptx, sm90_sass, unpredicated
+from v4compile.codegen.triton.hopper import main_loop, mma_loop, sm90_ptx, sm90_sass, unpredicated
 
 ISSUE_RATE = 132 * 4 * 32 * 1.75e9
 """Thread-instructions per second an H100 or H200 issues at most (SMs x schedulers x lanes x clock)."""
@@ -52,6 +54,9 @@ class Case:
     streams_weights: bool = True
     """Each weight read once (decode): the byte rate sets an issue budget. Prefill tiles reuse each weight for many
     rows, so no budget applies to them."""
+    cuda_source: str | None = None
+    """A TileLang kernel's generated CUDA (assembled with nvcc; its MMA loop is the consumer warp groups' loop, run
+    by ``num_warps`` warps) instead of a Triton source."""
 
 
 def _moe_case(tokens: int, gated: bool) -> Case:
@@ -69,6 +74,18 @@ def _moe_case(tokens: int, gated: bool) -> Case:
                 config["num_warps"], (2 if gated else 1) * bn * config["BK"], 2, tokens not in PREFILL_TOKENS)
 
 
+def _tilelang_moe_case(tokens: int, gated: bool) -> Case:
+    """TileLang's FP4 expert GEMM at V4-Flash's shape: its consumer loop (two warp groups) per 128-wide K block."""
+    from v4compile.codegen.tilelang import moe as tilelang_moe
+
+    config = tilelang_moe.launch_config(6 * tokens, 256, True)
+    n, k, rows, stages = (2048, 4096, config["BM1"], config["S1"]) if gated else (4096, 2048, config["BM2"],
+                                                                                   config["S2"])
+    return Case(f"TileLang moe_gemm {'w1+w3' if gated else 'w2'}, {tokens} tokens (BM {rows}, BN {config['BN']}, "
+                "widened into wgmma's registers)", "", "moe_gemm", {}, {}, 8, (2 if gated else 1) * config["BN"] * 128,
+                2, False, tilelang_moe.hopper_source(n, k, rows, gated, stages, config))
+
+
 def _fp8_case(rows: int, n: int, k: int) -> Case:
     """``fp8_gemm`` of the FP8 linear at its decode configuration."""
     config = fp8_linear.launch_config(rows, n, k, True)
@@ -83,16 +100,20 @@ def _fp8_case(rows: int, n: int, k: int) -> Case:
 
 def measure(case: Case) -> dict[str, object]:
     """The case's main loop: instructions a thread issues per iteration, per weight, and the budgets."""
-    divisible = [n for n, t in case.signature.items() if t.startswith("*") or n in DIVISIBLE_INTS]
-    ptx = sm90_ptx(case.source, case.kernel, case.signature, case.constexprs, divisible, case.num_warps)
-    loop = main_loop(sm90_sass(ptx))
+    if case.cuda_source is not None:
+        loop = mma_loop(tilelang_sass(case.cuda_source))
+    else:
+        divisible = [n for n, t in case.signature.items() if t.startswith("*") or n in DIVISIBLE_INTS]
+        loop = main_loop(sm90_sass(sm90_ptx(case.source, case.kernel, case.signature, case.constexprs, divisible,
+                                            case.num_warps)))
     threads = 32 * case.num_warps
     budget = ({card: round(ISSUE_RATE / (rate * case.weights_per_byte), 2) for card, rate in COPY_RATES.items()}
               if case.streams_weights else None)
     waits = sum(1 for t in loop.text if re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b", unpredicated(t)))
+    barriers = sum(1 for t in loop.text if unpredicated(t).startswith("BAR.SYNC"))
     return {"case": case.name, "loop_instructions": loop.instructions,
             "per_weight": round(loop.per(case.weights, threads), 2), "budget": budget,
-            "opcodes": dict(loop.opcodes.most_common(8)), "wgmma_drains": waits}
+            "opcodes": dict(loop.opcodes.most_common(8)), "wgmma_drains": waits, "block_barriers": barriers}
 
 
 def main() -> None:
@@ -101,16 +122,17 @@ def main() -> None:
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     cases = [_moe_case(1, True), _moe_case(1, False), _fp8_case(1, 4096, 8192), _fp8_case(16, 32768, 1024),
-             *(_moe_case(tokens, gated) for tokens in PREFILL_TOKENS for gated in (True, False))]
+             *(_moe_case(tokens, gated) for tokens in PREFILL_TOKENS for gated in (True, False)),
+             *(_tilelang_moe_case(8192, gated) for gated in (True, False) if shutil.which("nvcc"))]
     rows = [measure(c) for c in cases]
     print("| kernel, launch | SASS a loop iteration (per thread) | per weight | budget H100 / H200 "
-          "| wgmma drains a loop | top opcodes |")
-    print("|---|---|---|---|---|---|")
+          "| wgmma drains a loop | block barriers a loop | top opcodes |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         top = ", ".join(f"{k} {v}" for k, v in list(r["opcodes"].items())[:5])
         budget = f"{r['budget']['H100']} / {r['budget']['H200']}" if r["budget"] else "-"
         print(f"| {r['case']} | {r['loop_instructions']} | {r['per_weight']} | {budget} | {r['wgmma_drains']} "
-              f"| {top} |")
+              f"| {r['block_barriers']} | {top} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

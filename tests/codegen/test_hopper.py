@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 
 from v4compile.codegen.triton import moe
-from v4compile.codegen.triton.hopper import main_loop, sm90_ptx, sm90_sass, unpredicated
+from v4compile.codegen.triton.hopper import main_loop, mma_loop, sm90_ptx, sm90_sass, unpredicated
 from v4compile.codegen.triton.moe_kernels import SOURCE
 
 pytest.importorskip("triton.backends.nvidia")
@@ -83,3 +84,22 @@ def bad(X, n, FLAG: tl.constexpr):
 '''
     with pytest.raises(RuntimeError, match=r"lowering bad for sm_90 failed(.|\n)*Return type mismatch"):
         sm90_ptx(source, "bad", {"X": "*fp32", "n": "i32", "FLAG": "constexpr"}, {"FLAG": True}, ["X"], 1)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs a CUDA compiler to assemble TileLang's CUDA")
+def test_the_tilelang_fp4_gemm_widens_into_the_mma_registers() -> None:
+    """TileLang's FP4 expert GEMM at 8192 tokens: the activation tiles arrive by TMA (a producer warp group), the
+    widened weights are ``wgmma``'s register operand (``HGMMA`` reading registers, no shared-memory round trip),
+    and the consumer loop holds no block-wide barrier, so one warp group widens while the other's MMAs run."""
+    pytest.importorskip("tilelang")
+    from v4compile.codegen.tilelang import moe as tilelang_moe
+    from v4compile.codegen.tilelang.common import sm90_sass as tilelang_sass
+
+    config = tilelang_moe.launch_config(6 * 8192, 256, True)
+    source = tilelang_moe.hopper_source(2048, 4096, config["BM1"], True, config["S1"], config)
+    assert "tma_load" in source and "wgmma_rs" in source
+    loop = mma_loop(tilelang_sass(source))
+    assert loop.opcodes["HGMMA"] == 2 * 128 // 16  # gate and up: 8 k-steps each a 128-wide K block
+    assert not any(unpredicated(t).startswith("BAR.SYNC") for t in loop.text)
+    assert all(re.match(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", unpredicated(t))
+               for t in loop.text if "HGMMA" in t)

@@ -41,6 +41,13 @@ def weights_of(experts: RoutedExperts) -> list[torch.Tensor | None]:
     return [w.weight for w in layers] + [w.scale for w in layers]
 
 
+def raise_scales(experts: RoutedExperts) -> None:
+    """Every other expert's scale bytes up by 20: bytes above 128 (weights beyond 2^1 per unit)."""
+    with torch.no_grad():
+        for layer in (experts.w1, experts.w3, experts.w2):
+            layer.scale.view(torch.uint8)[::2] += 20
+
+
 def routing(tokens: int, n_experts: int, k: int, seed: int,
             allowed: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Duplicate-free top-k ids [T, k] among ``allowed`` experts and their routing weights [T, k]."""
@@ -133,9 +140,7 @@ def test_fp4_weights_widened_in_the_kernel_match_the_models_experts(pow2: bool, 
     beyond 2^1 per unit, taking the second power-of-two product) too."""
     experts = make_experts("fp4", pow2)
     if big_scales:
-        with torch.no_grad():
-            for layer in (experts.w1, experts.w3, experts.w2):
-                layer.scale.view(torch.uint8)[::2] += 20
+        raise_scales(experts)
     x = (torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(tokens)) * 2).bfloat16()
     weights, ids = routing(tokens, EXPERTS, TOP_K, seed=tokens)
     config = {**moe.launch_config(tokens * TOP_K, EXPERTS, tokens, DIM, INTER, cuda=False), "tl_dot": True,
@@ -220,3 +225,68 @@ def test_halves_of_a_fused_gate_up_weight_are_read_in_place(expert_sets: dict, f
         want = ops.moe_experts(x, weights, ids, 0, w1, w3, w2, s1, s3, s2, fmt, pow2, LIMIT, "triton")
     assert not halves[0].is_contiguous()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("pow2", "tokens", "allowed", "big_scales"), [
+    (True, 37, None, False), (False, 8, [0, 3, 4], False), (True, 21, None, True)])
+def test_the_tilelang_fp4_gemms_match_the_models_experts(pow2: bool, tokens: int, allowed: list[int] | None,
+                                                        big_scales: bool) -> None:
+    """TileLang's FP4 expert GEMMs (the ``c`` target: the same source's widening and fragment column order, loops
+    for the tensor cores): the model's results with partial and empty row tiles, experts without tokens and scale
+    bytes above 128."""
+    pytest.importorskip("tilelang")
+    experts = make_experts("fp4", pow2)
+    if big_scales:
+        raise_scales(experts)
+    x = (torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(tokens)) * 2).bfloat16()
+    weights, ids = routing(tokens, EXPERTS, TOP_K, seed=tokens, allowed=allowed)
+    args = (x, weights, ids, 0, *weights_of(experts), "fp4", pow2, LIMIT)
+    with torch.no_grad():
+        got, want = ops.moe_experts(*args, "tilelang"), reference.moe_experts(*args)
+    assert_matches(got, want)
+    record = REGISTRY.records["moe_experts.fp4.tilelang"]
+    assert record.error is None and record.launch["target"] == "c" and record.launch["pairs"] == tokens * TOP_K
+
+
+def test_the_tilelang_body_leaves_what_it_does_not_take_to_triton(expert_sets: dict) -> None:
+    """FP8 experts and the halves of a fused gate/up tensor (read in place by the Triton kernels, which TileLang's
+    contiguous tensors cannot) run the Triton body, with its results."""
+    pytest.importorskip("tilelang")
+    from v4compile.codegen.tilelang import moe as tilelang_moe
+
+    x = torch.randn(6, DIM, generator=torch.Generator().manual_seed(6)).bfloat16()
+    weights, ids = routing(6, EXPERTS, TOP_K, seed=6)
+    w1, w3, w2, s1, s3, s2 = weights_of(expert_sets[("fp4", True)])
+    fused, scales = torch.cat((w1, w3), dim=1), torch.cat((s1, s3), dim=1)
+    halves = (fused[:, :INTER], fused[:, INTER:], w2, scales[:, :INTER], scales[:, INTER:], s2)
+    fp8 = (x, weights, ids, 0, *weights_of(expert_sets[("fp8", False)]), "fp8", False, LIMIT)
+    with torch.no_grad():
+        for args in (fp8, (x, weights, ids, 0, *halves, "fp4", True, LIMIT)):
+            assert torch.equal(tilelang_moe.moe_experts(*args), moe.moe_experts(*args))
+
+
+@pytest.mark.parametrize("columns", ["natural", "fragment"])
+def test_quantized_rows_gathered_by_pair_in_either_column_order(columns: str) -> None:
+    """``quantize`` with a gather: row r of the output is the quantized row of the token of sorted pair r, only
+    for the local experts' pairs, each 128-block's columns in the order asked for."""
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    ids = torch.tensor([[0, 2], [1, 2], [2, 0], [1, 0], [0, 1], [2, 1], [5, 0]])
+    counts, order, slots = moe.routing_buffers(ids.numel(), 3, x.device)
+    moe.route(ids, 0, "fp4", counts, order, slots)
+    out = torch.full((ids.numel(), 256), float("nan")).bfloat16()
+    moe.quantize(x, out, counts, True, "fp4", columns, gather=(order, 2))
+    valid = int(counts.sum())
+    want = quant.fp8_simulate(x, 128, True)[order[:valid].long() // 2]
+    if columns == "fragment":
+        # column 32w + 16a + 8b + 2c + v of a block holds 32c + 8w + 4v + 2b + a
+        want = want.view(valid, 2, 4, 4, 2, 2, 2).permute(0, 1, 3, 6, 5, 2, 4).reshape(valid, 256)
+    assert valid == 13 and torch.equal(out[:valid].view(torch.int16), want.view(torch.int16))
+    assert out[valid:].isnan().all()
+
+
+def test_row_tiles_cover_each_experts_pairs_once() -> None:
+    """``tile_map``: each expert's pairs in whole tiles of 4 rows, experts in order, the tiles past the last -1."""
+    counts = torch.tensor([5, 0, 4, 1], dtype=torch.int32)
+    tile_e, tile_row, tile_end = moe.tile_map(counts, 4, int(counts.sum()), "fp4")
+    assert tile_e.tolist() == [0, 0, 2, 3, -1, -1, -1]  # at most pairs / 4 + experts tiles
+    assert tile_row[:4].tolist() == [0, 4, 5, 9] and tile_end[:4].tolist() == [5, 5, 9, 10]

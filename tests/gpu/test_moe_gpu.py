@@ -162,3 +162,27 @@ def test_cuda_graph_replay_and_repeatability() -> None:
         torch.cuda.synchronize()
         assert torch.equal(captured, run())
         assert not torch.equal(captured, first_run)
+
+
+@pytest.mark.parametrize(("tokens", "n_experts", "dim", "tiles"), [
+    (2048, 16, 1024, None), (333, 8, 1152, None), (700, 16, 1024, {"BM1": 64, "BM2": 64, "S1": 3, "S2": 4}),
+    (1500, 16, 1024, {"BM1": 128, "BM2": 256, "S1": 2, "S2": 2})])
+def test_tilelang_fp4_gemms_cuda(tokens: int, n_experts: int, dim: int, tiles: dict | None) -> None:
+    """TileLang's FP4 expert GEMMs (wgmma on weights widened in registers) at prefill sizes: odd token counts, a K
+    of 9 quantization blocks, experts without tokens, scale bytes above 128, each row-tile size; the Triton
+    body's results up to summation order."""
+    pytest.importorskip("tilelang")
+    from v4compile.codegen.tilelang import moe as tilelang_moe
+
+    experts = gpu_experts(n_experts, dim, 512, "fp4", True)
+    with torch.no_grad():
+        experts.w1.scale.view(torch.uint8)[1::3] += 20
+    x = torch.randn(tokens, dim, device="cuda").bfloat16()
+    args = op_args(experts, "fp4", True, x, n_experts + 2, 6)  # experts n, n+1: another rank's
+    config = None if tiles is None else {**tilelang_moe.launch_config(tokens * 6, n_experts, True), **tiles}
+    with torch.no_grad():
+        got = tilelang_moe.moe_experts(*args, config=config)
+        want = reference.moe_experts(*args)
+    assert_close_normwise(got, want)
+    record = REGISTRY.records[tilelang_moe.kernel_name()]
+    assert record.error is None and record.launch["target"] == "cuda" and "wgmma" in record.lowered

@@ -178,11 +178,18 @@ class MoeDispatch(GraphPass):
         x, weights, ids, *params = binding.inputs
         quantized = fmt != "bf16"
         w1, s1, w3, s3, w2, s2 = params if quantized else (params[0], None, params[1], None, params[2], None)
-        impl = ops.implementation_backend("moe_experts", ctx.backend)
+        impl = _implementation(ctx.backend, fmt)
         details = {"experts": n, "first": first, "top_k": k, "format": fmt, "pow2_scales": pow2,
                    "swiglu_limit": limit, "tokens": shape(view)[0], "dim": dim, "inter_dim": inter}
         return Rewrite(end, ops.moe_experts, (x, weights, ids, first, w1, w3, w2, s1, s3, s2, fmt, pow2,
                                               limit, ctx.backend), f"moe_experts.{fmt}.{impl}", details)
+
+
+def _implementation(backend: str, fmt: str) -> str:
+    """The backend whose kernels run the op for ``backend``: TileLang's body multiplies FP4 experts only (the
+    prefill tiles; at decode sizes it runs the Triton tiles itself), others run Triton's."""
+    impl = ops.implementation_backend("moe_experts", backend)
+    return "triton" if impl == "tilelang" and fmt != "fp4" else impl
 
 
 def _weighted_after(node: fx.Node) -> fx.Node | None:
@@ -298,7 +305,7 @@ def _analyze_grouped(down_mm: fx.Node, ctx: RewriteContext) -> Rewrite:
         else:
             w1, w3 = projections[:2]
     read_through_cast(end)  # the op sums in fp32, transformers in bf16
-    impl = ops.implementation_backend("moe_experts", ctx.backend)
+    impl = _implementation(ctx.backend, "bf16")
     details = {"experts": n, "first": 0, "top_k": k, "format": "bf16", "pow2_scales": False, "swiglu_limit": limit,
                "tokens": sum_shape[0], "dim": dim, "inter_dim": inter,
                "form": "transformers fused gate_up" if fused else "transformers gate, up",

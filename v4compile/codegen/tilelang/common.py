@@ -66,3 +66,30 @@ def target_macros(cuda):
     return to_bf16, reduce_rows
 '''
 """TileLang source shared by kernels (a generated source includes it after ``import tilelang.language as T``)."""
+
+
+def sm90_sass(cuda_source: str) -> list[str]:
+    """The SASS instructions of TileLang's generated CUDA for sm_90a, assembled on this machine with ``nvcc`` (on
+    PATH; TileLang's own headers) and listed with the ``cuobjdump`` Triton bundles: a kernel's instruction mix
+    without a GPU (``benchmarks/sass_mix.py``)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    import tilelang
+
+    from ..triton.hopper import bundled_tool, sass_lines
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise RuntimeError("sm90_sass needs nvcc on PATH to assemble TileLang's CUDA source")
+    root = Path(tilelang.__file__).parent
+    with tempfile.TemporaryDirectory() as folder:
+        source, cubin = Path(folder) / "kernel.cu", Path(folder) / "kernel.cubin"
+        source.write_text(cuda_source)
+        subprocess.run([nvcc, "-arch=sm_90a", "-cubin", "-O3", "-std=c++17", "-w", "-DENABLE_BF16",
+                        f"-I{root / 'src'}", f"-I{root / '3rdparty' / 'cutlass' / 'include'}", str(source), "-o",
+                        str(cubin)], check=True, capture_output=True, text=True)
+        listing = subprocess.run([str(bundled_tool("cuobjdump")), "-sass", str(cubin)], check=True,
+                                 capture_output=True, text=True).stdout
+    return sass_lines(listing)

@@ -54,7 +54,8 @@ def sm90_ptx(source: str, kernel: str, signature: dict[str, str], constexprs: di
     return done.stdout
 
 
-def _tool(name: str) -> Path:
+def bundled_tool(name: str) -> Path:
+    """A CUDA binary tool Triton ships (``ptxas``, ``cuobjdump``, ``nvdisasm``)."""
     import triton
 
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
@@ -63,14 +64,19 @@ def _tool(name: str) -> Path:
 def sm90_sass(ptx: str) -> list[str]:
     """The SASS instructions of ``ptx`` assembled for sm_90a (predicates kept, addresses and encodings dropped).
     Uses the newest bundled ``ptxas`` (Triton may emit a PTX version the older one rejects)."""
-    assembler = next(p for p in (_tool("ptxas-blackwell"), _tool("ptxas")) if p.exists())
+    assembler = next(p for p in (bundled_tool("ptxas-blackwell"), bundled_tool("ptxas")) if p.exists())
     with tempfile.TemporaryDirectory() as folder:
         source, cubin = Path(folder) / "kernel.ptx", Path(folder) / "kernel.cubin"
         source.write_text(ptx)
         subprocess.run([str(assembler), "-arch=sm_90a", "-O3", str(source), "-o", str(cubin)], check=True,
                        capture_output=True, text=True)
-        listing = subprocess.run([str(_tool("cuobjdump")), "-sass", str(cubin)], check=True, capture_output=True,
-                                 text=True).stdout
+        listing = subprocess.run([str(bundled_tool("cuobjdump")), "-sass", str(cubin)], check=True,
+                                 capture_output=True, text=True).stdout
+    return sass_lines(listing)
+
+
+def sass_lines(listing: str) -> list[str]:
+    """The instructions of a ``cuobjdump -sass`` listing (predicates kept, addresses and encodings dropped)."""
     return [m.group(2).strip() for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", listing)]
 
 
@@ -102,12 +108,23 @@ class LoopMix:
         return self.instructions * threads / elements
 
 
-def main_loop(sass: list[str]) -> LoopMix:
-    """The longest loop (a backward branch and the instructions from its target) of a SASS listing."""
-    best: list[str] = []
+def _loops(sass: list[str]) -> list[list[str]]:
+    """Every loop of a SASS listing: a backward branch and the instructions from its target."""
+    loops = []
     for i, text in enumerate(sass):
         target = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
         start = int(target.group(1), 16) // 16 if target else i  # sm_90 instructions are 16 bytes apart
-        if start < i and i + 1 - start > len(best):
-            best = sass[start:i + 1]
-    return LoopMix(best)
+        if start < i:
+            loops.append(sass[start:i + 1])
+    return loops
+
+
+def main_loop(sass: list[str]) -> LoopMix:
+    """The longest loop (a backward branch and the instructions from its target) of a SASS listing."""
+    return LoopMix(max(_loops(sass), key=len, default=[]))
+
+
+def mma_loop(sass: list[str]) -> LoopMix:
+    """The innermost loop issuing tensor-core MMAs (``HGMMA``): a warp-specialized kernel's consumer loop, where
+    the longest loop may be a barrier's retry branch from the kernel's end back into it."""
+    return LoopMix(min((loop for loop in _loops(sass) if any("HGMMA" in t for t in loop)), key=len, default=[]))

@@ -98,15 +98,71 @@ def _module(fmt: str, cuda: bool) -> object:
                           lambda path: load_triton_module(path, not cuda), key=(cuda, fmt))
 
 
+COLUMN_ORDERS = {"natural": 0, "even_first": 1, "fragment": 2}
+"""The orders ``quantize`` stores each 128-column block of an activation in, as the GEMM reading it wants them:
+as they are; even columns first (this module's widened and interpreter FP4 tiles); the TileLang FP4 GEMM's
+fragment order, column 8q + 2c + v holding 32c + 2q + v (its thread quad c reads 16 contiguous weight bytes)."""
+
+
+def routing_buffers(pairs: int, n_local: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The buffers ``route`` fills: per-expert pair counts [n_local], sorted pairs [pairs], each pair's slot."""
+    return (torch.empty(n_local, dtype=torch.int32, device=device),
+            *(torch.empty(pairs, dtype=torch.int32, device=device) for _ in range(2)))
+
+
+def route(ids: torch.Tensor, first: int, fmt: str, counts: torch.Tensor, order: torch.Tensor,
+          slots: torch.Tensor) -> None:
+    """``moe_route`` for the local experts ``first..first+len(counts)-1``: their pair counts, the pairs sorted by
+    expert (a stable counting sort: token order within an expert) and each pair's slot in that order (-1 for
+    another rank's expert)."""
+    _module(fmt, ids.device.type == "cuda").moe_route[(counts.numel(),)](ids, counts, order, slots, ids.numel(), first,
+                                                                         counts.numel(), BLOCK=1024)
+
+
+def quantize(src: torch.Tensor, dst: torch.Tensor, counts: torch.Tensor, pow2: bool, fmt: str,
+             columns: str = "natural", counted: bool = False, gather: tuple[torch.Tensor, int] | None = None,
+             rows_per_program: int = 16) -> None:
+    """``moe_quant``: dst's rows = src's rows through the model's e4m3 activation simulation, stored in the
+    ``COLUMN_ORDERS`` order ``columns``; ``counted``: only the local experts' pair rows; ``gather`` (sorted pairs,
+    top_k): dst row r (a pair slot) = src row (its token) sorted[r] // top_k."""
+    sorted_pairs, top_k = gather if gather is not None else (counts, 1)
+    n_local = counts.numel()
+    grid = (triton.cdiv(dst.shape[0], rows_per_program), src.shape[1] // QUANT_BLOCK)
+    _module(fmt, src.device.type == "cuda").moe_quant[grid](
+        src, dst, counts, sorted_pairs, src.shape[0], n_local, top_k, src.stride(0), dst.stride(0), POW2=pow2,
+        PERMUTE=COLUMN_ORDERS[columns], COUNTED=counted, GATHER=gather is not None, BR=rows_per_program,
+        E_BLOCK=triton_next_pow2(n_local))
+
+
+def tile_map(counts: torch.Tensor, rows: int, pairs: int, fmt: str) -> tuple[torch.Tensor, ...]:
+    """``moe_tiles``: for each row tile of ``rows`` pairs (each expert's pairs in whole tiles, at most
+    pairs / rows + experts tiles) its expert (-1 past the last), first pair slot and its expert's end slot."""
+    n_tiles = triton.cdiv(pairs, rows) + counts.numel()
+    tile_e, tile_row, tile_end = (torch.empty(n_tiles, dtype=torch.int32, device=counts.device) for _ in range(3))
+    _module(fmt, counts.device.type == "cuda").moe_tiles[(triton.cdiv(n_tiles, 32),)](
+        counts, tile_e, tile_row, tile_end, counts.numel(), n_tiles, BM=rows, E_BLOCK=triton_next_pow2(counts.numel()),
+        BT=32)
+    return tile_e, tile_row, tile_end
+
+
+def combine(ids: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, y: torch.Tensor, fmt: str,
+            tokens_per_program: int, columns_per_program: int) -> None:
+    """``moe_combine``: y [tokens, dim] fp32 = each token's sum of its experts' outputs (``out`` [pairs, dim] bf16
+    by slot, or fp32 K parts [parts, pairs, dim]) in ascending expert order."""
+    (tokens, top_k), dim = ids.shape, y.shape[1]
+    partial = out.dtype == torch.float32
+    _module(fmt, out.device.type == "cuda").moe_combine[(triton.cdiv(tokens, tokens_per_program),
+                                                         triton.cdiv(dim, columns_per_program))](
+        ids, slots, out, y, tokens, dim, top_k, out.shape[0] if partial else 1, out.stride(0), out.stride(-2),
+        y.stride(0), PARTIAL=partial, BT=tokens_per_program, BD=columns_per_program, KP=triton_next_pow2(top_k))
+
+
 def simulate_fp8(x: torch.Tensor, pow2: bool) -> torch.Tensor:
     """The kernel's activation quantization alone on bf16 rows x [R, C] (C a multiple of 128): equal to
     ``quant.fp8_simulate(x, 128, pow2)`` bit for bit (for tests and debugging)."""
-    module = _module("fp8", x.device.type == "cuda")
     x = x.contiguous()
     out = torch.empty_like(x)
-    module.moe_quant[(triton.cdiv(x.shape[0], 16), x.shape[1] // QUANT_BLOCK)](
-        x, out, x, x.shape[0], 0, x.stride(0), out.stride(0), POW2=pow2, PERMUTE=False, COUNTED=False, BR=16,
-        E_BLOCK=1)
+    quantize(x, out, torch.zeros(1, dtype=torch.int32, device=x.device), pow2, "fp8")
     return out
 
 
@@ -184,20 +240,16 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     e_block = triton_next_pow2(n_local)
     device = x.device
     x, weights, ids = x.contiguous(), weights.float().contiguous(), ids.contiguous()
-    counts = torch.empty(n_local, dtype=torch.int32, device=device)
-    order = torch.empty(pairs, dtype=torch.int32, device=device)
-    slots = torch.empty(pairs, dtype=torch.int32, device=device)
     widen = fmt == "fp4" and bool(config["widen"])
-    permute = fmt == "fp4" and not config["tl_dot"] or widen
+    columns = "even_first" if fmt == "fp4" and not config["tl_dot"] or widen else "natural"
     x_q = torch.empty_like(x) if quantized else x
+    counts, order, slots = routing_buffers(pairs, n_local, device)
     y = torch.empty(tokens, dim, dtype=torch.float32, device=device)
     tiles = min(pairs, triton.cdiv(pairs, bm) + min(n_local, pairs))
     warps, stages = config["num_warps"], config["num_stages"]
 
     def quant(src: torch.Tensor, dst: torch.Tensor, counted: bool) -> None:
-        grid = (triton.cdiv(src.shape[0], config["BR"]), src.shape[1] // QUANT_BLOCK)
-        module.moe_quant[grid](src, dst, counts, src.shape[0], n_local, src.stride(0), dst.stride(0), POW2=pow2,
-                               PERMUTE=permute, COUNTED=counted, BR=config["BR"], E_BLOCK=e_block)
+        quantize(src, dst, counts, pow2, fmt, columns, counted, rows_per_program=config["BR"])
 
     def k_block(k: int) -> int:
         if not quantized:
@@ -237,7 +289,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
         torch.empty(pairs, dim, dtype=torch.bfloat16, device=device)
 
     def run() -> None:
-        module.moe_route[(n_local,)](ids, counts, order, slots, pairs, first, n_local, BLOCK=1024)
+        route(ids, first, fmt, counts, order, slots)
         if quantized:
             quant(x, x_q, False)
         if gate_parts is None:
@@ -249,11 +301,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
             module.moe_gated_finish[(triton.cdiv(pairs, config["BR"]), triton.cdiv(inter, QUANT_BLOCK))](
                 gate_parts, order, weights, counts, hidden_q, n_local, top_k, inter, split1[0],
                 gate_parts.stride(0), gate_parts.stride(1), hidden_q.stride(0), float(limit), CLAMP=limit > 0,
-                QUANT=quantized, POW2=pow2, PERMUTE=permute, BR=config["BR"], E_BLOCK=e_block)
+                QUANT=quantized, POW2=pow2, PERMUTE=COLUMN_ORDERS[columns], BR=config["BR"], E_BLOCK=e_block)
         gemm(hidden_q, out, False, dim, inter, config["BN2"], split2)
-        module.moe_combine[(triton.cdiv(tokens, config["BT"]), triton.cdiv(dim, config["BD"]))](
-            ids, slots, out, y, tokens, dim, top_k, split2[0], out.stride(0), out.stride(-2), y.stride(0),
-            PARTIAL=out.dtype == torch.float32, BT=config["BT"], BD=config["BD"], KP=triton_next_pow2(top_k))
+        combine(ids, slots, out, y, fmt, config["BT"], config["BD"])
 
     if tokens:
         REGISTRY.launch(name, run)

@@ -80,24 +80,56 @@ def _row_block(rows, BR: tl.constexpr):
 
 @triton.jit
 def _store_block(OUT, r, c, s_o, y, mask, PERMUTE: tl.constexpr):
-    # y [BR, 128] as bf16 into rows r, columns c of block program_id(1); PERMUTE: the block's even columns first
-    # (the order moe_gemm's widened and interpreter formulations read an FP4 expert's activation in), reordered in
-    # registers so the store stays contiguous
-    if PERMUTE:
+    # y [BR, 128] as bf16 into rows r, columns c of block program_id(1), its columns in the order PERMUTE names
+    # (``COLUMN_ORDERS`` in moe.py): 0 as they are; 1 the block's even columns first (the order moe_gemm's widened
+    # and interpreter formulations read an FP4 expert's activation in); 2 the TileLang GEMM's fragment order
+    # (column 32w + 16a + 8b + 2c + v holds 32c + 8w + 4v + 2b + a). Reordered in registers, so the store stays
+    # contiguous
+    if PERMUTE == 1:
         y = tl.reshape(tl.permute(tl.reshape(y, [y.shape[0], 64, 2]), (0, 2, 1)), [y.shape[0], 128])
+    if PERMUTE == 2:
+        y = tl.reshape(tl.permute(tl.reshape(y, [y.shape[0], 4, 4, 2, 2, 2]), (0, 2, 5, 4, 1, 3)),
+                       [y.shape[0], 128])
     tl.store(OUT + r[:, None] * s_o + c[None, :], y.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
-def moe_quant(X, OUT, COUNTS, rows, n_local, s_x, s_o, POW2: tl.constexpr, PERMUTE: tl.constexpr,
-              COUNTED: tl.constexpr, BR: tl.constexpr, E_BLOCK: tl.constexpr):
-    if COUNTED:
+def moe_quant(X, OUT, COUNTS, SORTED, rows, n_local, top_k, s_x, s_o, POW2: tl.constexpr, PERMUTE: tl.constexpr,
+              COUNTED: tl.constexpr, GATHER: tl.constexpr, BR: tl.constexpr, E_BLOCK: tl.constexpr):
+    # OUT row r = X row r quantized (COUNTED: the rows are the local experts' pairs); GATHER: OUT row r (a pair
+    # slot) = X row SORTED[r] // top_k (its token), for the local experts' pairs
+    if COUNTED or GATHER:
         rows = _n_valid(COUNTS, n_local, E_BLOCK)
     if tl.program_id(0) * BR >= rows:
         return
     r, rm, c = _row_block(rows, BR)
-    x = tl.load(X + r[:, None] * s_x + c[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    src = r
+    if GATHER:
+        src = tl.load(SORTED + r, mask=rm, other=0) // top_k
+    x = tl.load(X + src[:, None] * s_x + c[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
     _store_block(OUT, r, c, s_o, _e4m3_simulate(x, POW2), rm[:, None], PERMUTE)
+
+
+@triton.jit
+def moe_tiles(COUNTS, TILE_E, TILE_ROW, TILE_END, n_local, n_tiles, BM: tl.constexpr, E_BLOCK: tl.constexpr,
+              BT: tl.constexpr):
+    # per row tile t of BM pairs (each expert's pairs in whole tiles, experts in order): its expert (-1 past the
+    # last tile), its first pair slot and the end of its expert's slots
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    e_idx = tl.arange(0, E_BLOCK)
+    cnt = tl.load(COUNTS + e_idx, mask=e_idx < n_local, other=0)
+    tiles = (cnt + BM - 1) // BM
+    ends = tl.cumsum(tiles, 0)
+    offsets = tl.cumsum(cnt, 0) - cnt
+    e = tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), 1)
+    here = e_idx[None, :] == e[:, None]
+    first_tile = tl.sum(tl.where(here, (ends - tiles)[None, :], 0), 1)
+    offset = tl.sum(tl.where(here, offsets[None, :], 0), 1)
+    count = tl.sum(tl.where(here, cnt[None, :], 0), 1)
+    tm = t < n_tiles
+    tl.store(TILE_E + t, tl.where(e < n_local, e, -1), mask=tm)
+    tl.store(TILE_ROW + t, offset + (t - first_tile) * BM, mask=tm)
+    tl.store(TILE_END + t, offset + count, mask=tm)
 
 
 @triton.jit
