@@ -12,6 +12,7 @@ measured FP8 tensor-core rate. Every time is a CUDA-graph replay (a decode row: 
 Run on the GPU machine from the repository root::
 
     PYTHONPATH=. python3 benchmarks/gemm.py [--rows 1,16,64,8192] [--ours-only] [--out results.json]
+    PYTHONPATH=/tmp/site:. python3 benchmarks/gemm.py --rows 8192 --ours-only --backend tilelang
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kernels import bench, ceilings, graphed, in_graph_us
 
 import v4compile
 from v4compile.codegen import ops
+from v4compile.codegen.registry import REGISTRY
 from v4compile.codegen.triton.fp8_linear import blockwise_scaled_mm, fp8_linear, launch_config
 from v4compile.model import quant
 from v4compile.model.linear import Linear
@@ -101,8 +103,10 @@ def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tup
     return None
 
 
-def row(layer: str, m: int, n: int, k: int, ceil: dict[str, float], ours_only: bool = False) -> tuple[Row, str]:
-    """One (M, N, K): checked against the model's simulation, then timed (``ours_only``: our kernel alone)."""
+def row(layer: str, m: int, n: int, k: int, ceil: dict[str, float], ours_only: bool = False,
+        backend: str = "triton") -> tuple[Row, str]:
+    """One (M, N, K): checked against the model's simulation, then timed (``ours_only``: our kernel alone;
+    ``backend``: whose ``fp8_linear`` body is ours)."""
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
     weight, scale = quant.quantize_fp8_weight(torch.randn(n, k, generator=gen, device="cuda") / k**0.5)
     x = (torch.randn(m, k, generator=gen, device="cuda") * 3).bfloat16()
@@ -111,13 +115,13 @@ def row(layer: str, m: int, n: int, k: int, ceil: dict[str, float], ours_only: b
         model.weight.copy_(weight)
         model.scale.copy_(scale)
         want = model.unrounded(x)
-        got = ops.fp8_linear(x, weight, scale, True, torch.float32, "triton")
+        got = ops.fp8_linear(x, weight, scale, True, torch.float32, backend)
         err = ((got.double() - want.double()).norm() / want.double().norm()).item()
         if not err < 5e-4:
             raise AssertionError(f"fp8_linear {m}x{n}x{k}: relative error {err:.2e}")
         timer = (lambda f: in_graph_us(f, False)) if m <= 64 else (lambda f: bench(graphed(f), False))
         copies = itertools.cycle([(weight.clone(), scale.clone()) for _ in range(-(-(160 << 20) // (n * k)))])
-        ours = timer(lambda: ops.fp8_linear(x, *next(copies), True, torch.bfloat16, "triton"))
+        ours = timer(lambda: ops.fp8_linear(x, *next(copies), True, torch.bfloat16, backend))
         if ours_only:
             exact = inductor = theirs = found = None
         else:
@@ -130,7 +134,9 @@ def row(layer: str, m: int, n: int, k: int, ceil: dict[str, float], ours_only: b
             theirs = timer(found[1]) if found else None
     moved = n * k + scale.numel() + m * k * 2 + m * n * 2
     floor = 1e6 * max(moved / ceil["copy_bytes_per_s"], 2 * m * n * k / ceil["fp8_flop_per_s"])
-    config = ",".join(f"{a}={b}" for a, b in launch_config(m, n, k, True).items())
+    launch = REGISTRY.records[f"fp8_linear.{backend}"].launch if backend == "tilelang" and m > 64 else \
+        launch_config(m, n, k, True)
+    config = ",".join(f"{a}={b}" for a, b in launch.items() if a not in ("rows", "n", "k"))
     timed = Row(layer, m, n, k, round(ours, 1), None if exact is None else round(exact, 1), round(floor, 1),
                 None if theirs is None else round(theirs, 1), None if inductor is None else round(inductor, 1),
                 config, err)
@@ -144,13 +150,15 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--out", default=None)
     parser.add_argument("--ours-only", action="store_true", help="time our kernel alone (no other columns)")
+    parser.add_argument("--backend", choices=("triton", "tilelang"), default="triton",
+                        help="whose fp8_linear body is ours (tilelang: its FP8 GEMM above 64 rows)")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     ceil = ceilings(quick=False) | {"fp8_flop_per_s": fp8_rate()}
     rows, kinds = [], set()
     for (n, k), names in fp8_shapes(args.experts).items():
         for m in (int(r) for r in args.rows.split(",")):
-            r, kind = row("/".join(names), m, n, k, ceil, args.ours_only)
+            r, kind = row("/".join(names), m, n, k, ceil, args.ours_only, args.backend)
             rows.append(r)
             kinds.add(kind)
     if args.out:

@@ -139,3 +139,34 @@ def test_the_decode_gemm_compiles_for_hopper_with_the_hardware_e4m3_conversion(
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == pow2
     release = ptx.index("atom.global.gpu.acq_rel.add")
     assert "bar.sync" in ptx[ptx.rindex("st.global", 0, release):release]  # every thread's partial stored first
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(7, 130, 384), (40, 256, 256), (1, 64, 128)])
+def test_the_tilelang_gemm_matches_the_models_fp8_linear(rows: int, n: int, k: int) -> None:
+    """TileLang's FP8 GEMM (the ``c`` target: the same source's per-block promotion, a loop for the tensor cores)
+    on the Triton quantizer's codes: the model's simulation up to summation order, partial row and column tiles,
+    the bf16 output the fp32 one rounded once."""
+    pytest.importorskip("tilelang")
+    from v4compile.codegen.registry import REGISTRY
+
+    layer = fp8_layer(k, n, True)
+    x = (torch.randn(2, rows, k, generator=torch.Generator().manual_seed(rows)) * 4).bfloat16()
+    x[0, 0, :128] *= 1e-6  # a block under the amax floor
+    want = layer.unrounded(x)
+    got = ops.fp8_linear(x, layer.weight, layer.scale, True, torch.float32, "tilelang")
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(ops.fp8_linear(x, layer.weight, layer.scale, True, torch.bfloat16, "tilelang"), got.bfloat16())
+    record = REGISTRY.records["fp8_linear.tilelang"]
+    assert record.error is None and record.launch["target"] == "c" and record.launch["rows"] == 2 * rows
+
+
+def test_the_tilelang_body_leaves_non_power_of_two_scales_to_triton() -> None:
+    """With non-power-of-two scales the model's activation is bf16 ``q * scale``, not an e4m3 value: the FP8 tensor
+    cores do not apply and the Triton body runs, with its results."""
+    pytest.importorskip("tilelang")
+    from v4compile.codegen.tilelang import fp8_linear as tilelang_fp8
+
+    layer = fp8_layer(256, 130, False)
+    x = (torch.randn(5, 256, generator=torch.Generator().manual_seed(5)) * 4).bfloat16()
+    assert torch.equal(tilelang_fp8.fp8_linear(x, layer.weight, layer.scale, False),
+                       fp8_linear(x, layer.weight, layer.scale, False))

@@ -103,3 +103,21 @@ def test_the_tilelang_fp4_gemm_widens_into_the_mma_registers() -> None:
     assert not any(unpredicated(t).startswith("BAR.SYNC") for t in loop.text)
     assert all(re.match(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", unpredicated(t))
                for t in loop.text if "HGMMA" in t)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs a CUDA compiler to assemble TileLang's CUDA")
+def test_the_tilelang_fp8_gemm_promotes_each_block_after_its_fp8_mmas() -> None:
+    """TileLang's FP8 GEMM at prefill rows: codes, weights and the block's activation scales arrive by TMA; each
+    consumer warp group runs the 128-wide K block as four FP8 ``wgmma``s (``QGMMA``, m64n128k32) and adds it times
+    the scales to its fp32 accumulator (64 FMAs a thread), with no block-wide barrier in the loop."""
+    pytest.importorskip("tilelang")
+    from v4compile.codegen.tilelang import fp8_linear as tilelang_fp8
+    from v4compile.codegen.tilelang.common import hopper_cuda
+    from v4compile.codegen.tilelang.common import sm90_sass as tilelang_sass
+
+    source = hopper_cuda(tilelang_fp8.source(tilelang_fp8.launch_config(8192, True), True))
+    assert source.count("tma_load") >= 3
+    loop = mma_loop(tilelang_sass(source))
+    assert loop.opcodes["QGMMA"] == 4 and loop.opcodes["FFMA"] == 64
+    assert all(unpredicated(t).startswith("QGMMA.64x128x32.F32.E4M3.E4M3") for t in loop.text if "GMMA" in t)
+    assert not any(unpredicated(t).startswith("BAR.SYNC") for t in loop.text)

@@ -30,7 +30,7 @@ def test_cpu_runs_the_triton_kernel_and_reports_it() -> None:
     on_meta = torch.empty(2, 1, 8, 64, dtype=torch.bfloat16, device="meta")
     assert not tilelang_attention.takes(on_meta)  # the meta device is not CUDA either
     assert ops.implementation_backend("sparse_attention", "tilelang") == "tilelang"
-    assert ops.implementation_backend("fp8_linear", "tilelang", q) == "triton"  # no TileLang kernel
+    assert ops.implementation_backend("fp32_linear", "tilelang", q) == "triton"  # no TileLang kernel
     assert not tilelang_attention.runs_here(q, kv)
 
 

@@ -96,3 +96,20 @@ def test_decode_quantizes_inside_the_gemm_bit_for_bit(rows: int, n: int, k: int,
         apart = fp8_linear(x, layer.weight, layer.scale, pow2, out_dtype, config=config | {"QUANT": 0})
         for _ in range(2):
             assert torch.equal(fp8_linear(x, layer.weight, layer.scale, pow2, out_dtype), apart)
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(65, 4096, 1024), (333, 1300, 2048), (2048, 32768, 1024),
+                                              (1000, 4096, 8192)])
+def test_tilelang_fp8_gemm_cuda(rows: int, n: int, k: int) -> None:
+    """TileLang's FP8 GEMM (FP8 wgmma, per-block fp32 promotion) at prefill rows: odd row counts, N not a multiple
+    of the 128 tile; the FP8 tensor cores' tolerance, fp32 and bf16 out."""
+    pytest.importorskip("tilelang")
+    layer = fp8_layer(k, n, True, seed=rows)
+    x = (torch.randn(rows, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(n)) * 3).bfloat16()
+    want = layer.unrounded(x)
+    got = ops.fp8_linear(x, layer.weight, layer.scale, True, torch.float32, "tilelang")
+    assert rel_err(got, want) < 5e-4
+    rounded = ops.fp8_linear(x, layer.weight, layer.scale, True, torch.bfloat16, "tilelang")
+    assert rel_err(rounded.float(), want) < 5e-3
+    record = REGISTRY.records["fp8_linear.tilelang"]
+    assert record.error is None and record.launch["target"] == "cuda" and "wgmma" in record.lowered

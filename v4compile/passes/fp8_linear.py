@@ -105,6 +105,8 @@ class Fp8Linear(GraphPass):
         if w is not weight:
             raise NoMatch(f"the product's weight is not {weight.name} as stored")
         impl = ops.implementation_backend("fp8_linear", ctx.backend)
+        if impl == "tilelang" and not pow2:  # the FP8 tensor cores need e4m3 activations: Triton's body runs
+            impl = "triton"
         rounding = _bf16_rounding(node)
         out_dtype = torch.float32 if rounding is None else torch.bfloat16
         details = {"rows": numel(x_shape[:-1]), "out_features": n, "in_features": k,

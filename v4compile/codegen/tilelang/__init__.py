@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import compressor_finish, indexer_scores, moe, radix_topk
+from . import compressor_finish, fp8_linear, indexer_scores, moe, radix_topk
 from .compressor import compressor_pool, compressor_pool_state
 from .mhc import mhc_post, mhc_pre
 from .sparse_attention import sparse_attention, takes
@@ -17,6 +17,7 @@ IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"compressor_pool": compressor_
                                                   "indexer_scores": indexer_scores.indexer_scores,
                                                   "mhc_pre": mhc_pre, "mhc_post": mhc_post,
                                                   "moe_experts": moe.moe_experts,
+                                                  "fp8_linear": fp8_linear.fp8_linear,
                                                   "radix_topk": radix_topk.radix_topk,
                                                   "sparse_attention": sparse_attention}
 

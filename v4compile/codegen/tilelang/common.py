@@ -68,6 +68,17 @@ def target_macros(cuda):
 """TileLang source shared by kernels (a generated source includes it after ``import tilelang.language as T``)."""
 
 
+def hopper_cuda(source: str) -> str:
+    """The CUDA TileLang generates for the H100/H200 (sm_90a) from a kernel's generated Python ``source`` (its
+    ``build`` returning one kernel), lowered on any machine: no GPU needed."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "kernel.py"
+        path.write_text(source)
+        return load_module(path).build({"kind": "cuda", "arch": "sm_90a"}).get_kernel_source()
+
+
 def sm90_sass(cuda_source: str) -> list[str]:
     """The SASS instructions of TileLang's generated CUDA for sm_90a, assembled on this machine with ``nvcc`` (on
     PATH; TileLang's own headers) and listed with the ``cuobjdump`` Triton bundles: a kernel's instruction mix

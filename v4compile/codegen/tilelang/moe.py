@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ..registry import REGISTRY, load_module
+from ..registry import REGISTRY
 from ..triton import moe as triton_moe
-from .common import TARGET_MACROS, load_kernels
+from .common import TARGET_MACROS, hopper_cuda, load_kernels
 
 _SOURCE = '''
 import tilelang
@@ -185,13 +185,7 @@ def source(n: int, k: int, rows: int, gated: bool, stages: int, config: dict[str
 
 def hopper_source(n: int, k: int, rows: int, gated: bool, stages: int, config: dict[str, int]) -> str:
     """The CUDA TileLang generates for the H100/H200 (sm_90a) from ``source``, lowered on any machine (no GPU)."""
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "moe_gemm.py"
-        path.write_text(source(n, k, rows, gated, stages, config))
-        return load_module(path).build({"kind": "cuda", "arch": "sm_90a"}).get_kernel_source()
+    return hopper_cuda(source(n, k, rows, gated, stages, config))
 
 
 def _gemm(n: int, k: int, rows: int, gated: bool, stages: int, config: dict[str, int], target: str) -> Any:

@@ -210,6 +210,28 @@ def _module(cuda: bool) -> object:
                           lambda path: load_triton_module(path, not cuda), key=cuda)
 
 
+def activation_buffers(rows: torch.Tensor, row_tile: int, m_major: bool = False) -> tuple[torch.Tensor, ...]:
+    """The e4m3 codes and per-128 fp32 scales ``quantize_activation`` writes for ``rows`` [M, K], padded to whole
+    tiles of ``row_tile`` rows (0: none, the GEMM quantizes itself); ``m_major``: the scales stored M-major, as
+    cuBLAS takes them."""
+    m, k = rows.shape
+    padded = triton.cdiv(m, row_tile) * row_tile if row_tile else 0
+    codes = torch.empty(padded, k, dtype=torch.float8_e4m3fn, device=rows.device)
+    scales = (torch.empty(k // BLOCK, padded, dtype=torch.float32, device=rows.device).t() if m_major else
+              torch.empty(padded, k // BLOCK, dtype=torch.float32, device=rows.device))
+    return codes, scales
+
+
+def quantize_activation(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, pow2: bool,
+                        rows_per_program: int = 16) -> None:
+    """``fp8_quant``: each row's 128-wide K blocks of bf16 ``rows`` [M, K] to e4m3 ``codes`` and fp32 ``scales``,
+    exactly as ``quant.fp8_simulate`` (rows past M left as they are)."""
+    m, k = rows.shape
+    _module(rows.device.type == "cuda").fp8_quant[(triton.cdiv(m, rows_per_program), k // BLOCK)](
+        rows, codes, scales, m, rows.stride(0), codes.stride(0), scales.stride(0), scales.stride(1), POW2=pow2,
+        BR=rows_per_program)
+
+
 def check_fp8_weight(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
     """Raises a ValueError naming ``name`` when the activation, weight and block scales do not fit together."""
     n, k = weight.shape
@@ -246,11 +268,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2:
     cublas = blockwise_scaled_mm() if config.get("CUBLAS") and pow2 and bf16 and n % BLOCK == 0 else None
     quant = bool(config.get("QUANT"))
     row_tile = 16 if cublas else config["BM"]  # cuBLAS takes whole 16-row tiles
-    padded = 0 if quant else triton.cdiv(m, row_tile) * row_tile
-    codes = torch.empty(padded, k, dtype=torch.float8_e4m3fn, device=x.device)
-    # cuBLAS takes the activation scales M-major
-    scales = (torch.empty(k // BLOCK, padded, dtype=torch.float32, device=x.device).t() if cublas else
-              torch.empty(padded, k // BLOCK, dtype=torch.float32, device=x.device))
+    codes, scales = activation_buffers(rows, 0 if quant else row_tile, m_major=cublas is not None)
     out = torch.empty((0 if cublas else m, n), dtype=out_dtype, device=x.device)  # cuBLAS returns its own
     parts = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     w, s = weight.contiguous(), scale.contiguous().view(torch.uint8)
@@ -260,9 +278,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2:
     def run() -> None:
         nonlocal out
         if not quant:
-            module.fp8_quant[(triton.cdiv(m, config["BR"]), k // BLOCK)](
-                rows, codes, scales, m, rows.stride(0), codes.stride(0), scales.stride(0), scales.stride(1),
-                POW2=pow2, BR=config["BR"])
+            quantize_activation(rows, codes, scales, pow2, config["BR"])
         if cublas:
             out = cublas(codes, scales, w, scale, out_dtype)[:m]
             return

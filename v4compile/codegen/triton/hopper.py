@@ -125,6 +125,7 @@ def main_loop(sass: list[str]) -> LoopMix:
 
 
 def mma_loop(sass: list[str]) -> LoopMix:
-    """The innermost loop issuing tensor-core MMAs (``HGMMA``): a warp-specialized kernel's consumer loop, where
-    the longest loop may be a barrier's retry branch from the kernel's end back into it."""
-    return LoopMix(min((loop for loop in _loops(sass) if any("HGMMA" in t for t in loop)), key=len, default=[]))
+    """The innermost loop issuing warp-group MMAs (``HGMMA`` for 16-bit operands, ``QGMMA`` for FP8): a
+    warp-specialized kernel's consumer loop, where the longest loop may be a barrier's retry branch from the
+    kernel's end back into it."""
+    return LoopMix(min((loop for loop in _loops(sass) if any("GMMA" in t for t in loop)), key=len, default=[]))
