@@ -86,6 +86,17 @@ def _tilelang_moe_case(tokens: int, gated: bool) -> Case:
                 2, False, tilelang_moe.hopper_source(n, k, rows, gated, stages, config))
 
 
+def _tilelang_fp8_case(rows: int) -> Case:
+    """TileLang's FP8 GEMM at prefill rows: its consumer loop (two warp groups) per 128-wide K block."""
+    from v4compile.codegen.tilelang import fp8_linear as tilelang_fp8
+    from v4compile.codegen.tilelang.common import hopper_cuda
+
+    config = tilelang_fp8.launch_config(rows, True)
+    return Case(f"TileLang fp8_gemm, {rows} rows (BM {config['bm']}, BN {config['bn']}, FP8 wgmma, per-block "
+                "promotion)", "", "fp8_gemm", {}, {}, 8, config["bn"] * 128, 1, False,
+                hopper_cuda(tilelang_fp8.source(config, True)))
+
+
 def _fp8_case(rows: int, n: int, k: int) -> Case:
     """``fp8_gemm`` of the FP8 linear at its decode configuration."""
     config = fp8_linear.launch_config(rows, n, k, True)
@@ -123,7 +134,8 @@ def main() -> None:
     args = parser.parse_args()
     cases = [_moe_case(1, True), _moe_case(1, False), _fp8_case(1, 4096, 8192), _fp8_case(16, 32768, 1024),
              *(_moe_case(tokens, gated) for tokens in PREFILL_TOKENS for gated in (True, False)),
-             *(_tilelang_moe_case(8192, gated) for gated in (True, False) if shutil.which("nvcc"))]
+             *((_tilelang_moe_case(8192, True), _tilelang_moe_case(8192, False), _tilelang_fp8_case(8192))
+               if shutil.which("nvcc") else ())]
     rows = [measure(c) for c in cases]
     print("| kernel, launch | SASS a loop iteration (per thread) | per weight | budget H100 / H200 "
           "| wgmma drains a loop | block barriers a loop | top opcodes |")
