@@ -90,7 +90,8 @@ def bad(X, n, FLAG: tl.constexpr):
 def test_the_tilelang_fp4_gemm_widens_into_the_mma_registers() -> None:
     """TileLang's FP4 expert GEMM at 8192 tokens: the activation tiles arrive by TMA (a producer warp group), the
     widened weights are ``wgmma``'s register operand (``HGMMA`` reading registers, no shared-memory round trip),
-    and the consumer loop holds no block-wide barrier, so one warp group widens while the other's MMAs run."""
+    the consumer loop holds no block-wide barrier, so one warp group widens while the other's MMAs run, and the
+    output leaves in 16-byte stores."""
     pytest.importorskip("tilelang")
     from v4compile.codegen.tilelang import moe as tilelang_moe
     from v4compile.codegen.tilelang.common import sm90_sass as tilelang_sass
@@ -98,8 +99,11 @@ def test_the_tilelang_fp4_gemm_widens_into_the_mma_registers() -> None:
     config = tilelang_moe.launch_config(6 * 8192, 256, True)
     source = tilelang_moe.hopper_source(2048, 4096, config["BM1"], True, config["S1"], config)
     assert "tma_load" in source and "wgmma_rs" in source
-    loop = mma_loop(tilelang_sass(source))
+    sass = tilelang_sass(source)
+    loop = mma_loop(sass)
     assert loop.opcodes["HGMMA"] == 2 * 128 // 16  # gate and up: 8 k-steps each a 128-wide K block
+    # the epilogue goes through shared memory: each output row stored 16 bytes a lane, contiguously
+    assert {unpredicated(t).split()[0] for t in sass if "STG" in t} == {"STG.E.128"}
     assert not any(unpredicated(t).startswith("BAR.SYNC") for t in loop.text)
     assert all(re.match(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", unpredicated(t))
                for t in loop.text if "HGMMA" in t)

@@ -12,7 +12,9 @@ weight row; the activation is stored so that those are 16 contiguous bytes of th
 slot column j = 8q + 2c + v of each 128-block holds column 32c + 2q + v (``moe.COLUMN_ORDERS["fragment"]``,
 written by the Triton quantizer, which also gathers the gated GEMM's rows by pair). Products of bf16 values exact
 in fp32, fp32 accumulation: the Triton kernels' numerics but for the summation order. The epilogues are the
-Triton ones: bf16 rounding of each product, the clamped SwiGLU times the routing weight (gated), bf16 out.
+Triton ones: bf16 rounding of each product, the clamped SwiGLU times the routing weight (gated), bf16 out; the
+transposed tile goes back through shared memory so each output row is stored in 16-byte pieces (stored straight
+from the accumulator, every 2-byte value would land in another row).
 
 On the ``c`` target (CPU tests) the same source computes in fp32 loops: the bit patterns are widened to fp32
 by a 16-bit shift (exact), the products summed in K order.
@@ -122,6 +124,7 @@ def build(target):
             fb = T.alloc_fragment((BN, BK), IN)
             acc_a = T.alloc_fragment((BN, BM), "float32")
             acc_b = T.alloc_fragment((BN, BM), "float32")
+            o_s = staged((BM, BN), IN)
             tile = T.alloc_local((3,), "int32")
             tile[0] = tile_e[t]
             tile[1] = tile_row[t]
@@ -142,17 +145,20 @@ def build(target):
                     if GATED:
                         widen(wb_s, sb_s, fb, k)
                         product(fb, a_s, acc_b)
+                # the epilogue through shared memory, transposed, so each row of the tile is stored contiguously
                 for i, j in T.Parallel(BN, BM):
+                    g = to_bf16(acc_a[i, j])
+                    if GATED:
+                        u = to_bf16(acc_b[i, j])
+                        gc = T.if_then_else(limit > 0, T.min(g, limit), g)
+                        uc = T.if_then_else(limit > 0, T.min(T.max(u, -limit), limit), u)
+                        w = T.if_then_else(tile[1] + j < tile[2], weights[sorted_pairs[tile[1] + j]], 0.0)
+                        o_s[j, i] = T.cast(to_bf16(w * (gc / (1.0 + T.exp(-gc)) * uc)), IN)
+                    else:
+                        o_s[j, i] = T.cast(g, IN)
+                for j, i in T.Parallel(BM, BN):
                     if tile[1] + j < tile[2] and nb * BN + i < N:
-                        g = to_bf16(acc_a[i, j])
-                        if GATED:
-                            u = to_bf16(acc_b[i, j])
-                            gc = T.if_then_else(limit > 0, T.min(g, limit), g)
-                            uc = T.if_then_else(limit > 0, T.min(T.max(u, -limit), limit), u)
-                            w = weights[sorted_pairs[tile[1] + j]]
-                            out[tile[1] + j, nb * BN + i] = T.cast(to_bf16(w * (gc / (1.0 + T.exp(-gc)) * uc)), IN)
-                        else:
-                            out[tile[1] + j, nb * BN + i] = T.cast(g, IN)
+                        out[tile[1] + j, nb * BN + i] = o_s[j, i]
 
     # no fast math: the widened code 1 (0.5) is a bf16 subnormal before its scale, which flushing would zero
     configs = {{"tirx.disable_vectorize": not cuda, tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}}
