@@ -121,7 +121,9 @@ def test_the_tilelang_fp8_gemm_promotes_each_block_after_its_fp8_mmas() -> None:
 
     source = hopper_cuda(tilelang_fp8.source(tilelang_fp8.launch_config(8192, True), True))
     assert source.count("tma_load") >= 3
-    loop = mma_loop(tilelang_sass(source))
+    sass = tilelang_sass(source)
+    assert any(unpredicated(t).startswith("UTMASTG") for t in sass)  # the tile leaves by a TMA store
+    loop = mma_loop(sass)
     assert loop.opcodes["QGMMA"] == 4 and loop.opcodes["FFMA"] == 64
     assert all(unpredicated(t).startswith("QGMMA.64x128x32.F32.E4M3.E4M3") for t in loop.text if "GMMA" in t)
     assert not any(unpredicated(t).startswith("BAR.SYNC") for t in loop.text)
