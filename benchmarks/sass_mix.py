@@ -134,8 +134,8 @@ def main() -> None:
     args = parser.parse_args()
     cases = [_moe_case(1, True), _moe_case(1, False), _fp8_case(1, 4096, 8192), _fp8_case(16, 32768, 1024),
              *(_moe_case(tokens, gated) for tokens in PREFILL_TOKENS for gated in (True, False)),
-             *((_tilelang_moe_case(8192, True), _tilelang_moe_case(8192, False), _tilelang_fp8_case(8192))
-               if shutil.which("nvcc") else ())]
+             *((*(_tilelang_moe_case(tokens, gated) for tokens in PREFILL_TOKENS for gated in (True, False)),
+                _tilelang_fp8_case(8192)) if shutil.which("nvcc") else ())]
     rows = [measure(c) for c in cases]
     print("| kernel, launch | SASS a loop iteration (per thread) | per weight | budget H100 / H200 "
           "| wgmma drains a loop | block barriers a loop | top opcodes |")

@@ -172,14 +172,18 @@ def kernel_name() -> str:
 
 
 def launch_config(pairs: int, n_local: int, cuda: bool) -> dict[str, int] | None:
-    """Row tiles (the wgmma's N, pairs of one expert) and stages for both GEMMs, or None where the Triton tiles
-    serve (decode: 64 pairs an expert or fewer on CUDA). 128 weight rows a block, two consumer warp groups of 64
-    rows; gated: 128 pairs (two fp32 accumulators of 64 x 128 a warp group), else up to 256. Small tiles on the
-    ``c`` target."""
+    """Row tiles (the wgmma's N: pairs of one expert) and stages for both GEMMs, or None where the Triton tiles
+    serve (decode: 32 pairs an expert or fewer on CUDA). 128 weight rows a block, two consumer warp groups of 64
+    rows; 64 pairs a tile up to 64 pairs an expert, else 128 (gated: two fp32 accumulators of 64 x 128 a warp
+    group). Untimed (no GPU in the session that wrote them): the sizes follow the row tiles' padding and the
+    registers; ``benchmarks/moe.py --backend tilelang --tiles`` sweeps them. Small tiles on the ``c`` target."""
     if not cuda:
         return {"BM1": 16, "BM2": 16, "BN": 32, "S1": 1, "S2": 1, "threads": 128}
-    if pairs <= 64 * max(n_local, 1):
+    per_expert = pairs / max(n_local, 1)
+    if per_expert <= 32:
         return None
+    if per_expert <= 64:
+        return {"BM1": 64, "BM2": 64, "BN": 128, "S1": 3, "S2": 4, "threads": 256}
     return {"BM1": 128, "BM2": 128, "BN": 128, "S1": 2, "S2": 3, "threads": 256}
 
 
