@@ -65,14 +65,19 @@ def test_each_pass_alone_keeps_golden_numerics(golden_root: Path, golden_models:
                                                     "radix_topk", {"matches": 0})["matches"] == 0
 
 
-def test_triton_kernels_inside_the_optimized_model_match_golden(golden_root: Path, golden_models: dict) -> None:
-    """The same check with the generated Triton kernels (interpreted on CPU) on the shortest cases."""
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+def test_generated_kernels_inside_the_optimized_model_match_golden(golden_root: Path, golden_models: dict,
+                                                                   backend: str) -> None:
+    """The same check with the generated kernels on the shortest cases: Triton's (interpreted on CPU), and
+    TileLang's (the ``c`` target; Triton's where TileLang has none or its kernel does not take the input)."""
     from safetensors.torch import load_file
 
+    if backend == "tilelang":
+        pytest.importorskip("tilelang")
     model = golden_models["tiny-fp8-fp4"]
     cases = load_file(str(golden_root / "tiny-fp8-fp4" / "cases.safetensors"))
     ids, length = cases["case0.ids"], int(cases["case0.prefill_len"])
-    optimized = v4compile.optimize(model, backend="triton", inductor=False, check=True)
+    optimized = v4compile.optimize(model, backend=backend, inductor=False, check=True)
     with torch.no_grad():
         got = optimized(ids)[:, length - 1 :]
         want = model(ids)[:, length - 1 :]
@@ -87,6 +92,11 @@ def test_triton_kernels_inside_the_optimized_model_match_golden(golden_root: Pat
     for row in optimized.report():
         if row["matches"]:
             assert row["worst_rel_error"] is not None and row["worst_rel_error"] < row["tolerance"], row
+    if backend == "tilelang":  # the FP4 experts' and FP8 projections' TileLang GEMMs ran
+        from v4compile.codegen.registry import REGISTRY
+
+        for name in ("moe_experts.fp4.tilelang", "fp8_linear.tilelang"):
+            assert REGISTRY.records[name].launches and REGISTRY.records[name].error is None, name
 
 
 def test_training_gradients_flow_through_every_rewrite(tiny_model: v4compile.DeepSeekV4) -> None:
