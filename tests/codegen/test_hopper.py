@@ -99,6 +99,10 @@ def test_the_tilelang_fp4_gemm_widens_into_the_mma_registers() -> None:
     config = tilelang_moe.launch_config(6 * 8192, 256, True)
     source = tilelang_moe.hopper_source(2048, 4096, config["BM1"], True, config["S1"], config)
     assert "tma_load" in source and "wgmma_rs" in source
+    # the producer warp group's copies are addressed by the tile's own expert and rows (a local the kernel set
+    # before TileLang split the warp groups would reach the producer as an unwritten copy, "<name>_producer_ws")
+    loads = [line for line in source.splitlines() if "tma_load(a_desc" in line or "tma_load(w_a_desc" in line]
+    assert loads and all("tile_row[" in x or "tile_e[" in x for x in loads) and "_producer_ws" not in source
     sass = tilelang_sass(source)
     loop = mma_loop(sass)
     assert loop.opcodes["HGMMA"] == 2 * 128 // 16  # gate and up: 8 k-steps each a 128-wide K block

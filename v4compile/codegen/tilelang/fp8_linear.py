@@ -12,8 +12,9 @@ so the result is within about 1e-4 normwise of the model's simulation (the Trito
 same hardware numerics). Output: fp32, or rounded once to bf16, staged in shared memory and stored by TMA.
 
 On the ``c`` target (CPU tests) the codes and weights arrive widened to fp32 (exact) and the block's product is a
-loop; everything else is the same source. Rows of 64 or fewer (decode), and non-power-of-two activation scales
-(where the model's activation is bf16 ``q * scale``, not an e4m3 value), run the Triton body.
+loop; everything else is the same source. Rows of 64 or fewer (decode), non-power-of-two activation scales
+(where the model's activation is bf16 ``q * scale``, not an e4m3 value) and output rows that are not a multiple of
+16 bytes (the TMA store's stride) run the Triton body.
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2:
     rows = x.reshape(-1, k).contiguous()
     cuda = x.device.type == "cuda"
     config = config or launch_config(rows.shape[0], cuda)
-    if config is None or not pow2 or not rows.shape[0] or triton_fp8.BLOCK % config["bn"]:
+    aligned = n * (2 if out_dtype == torch.bfloat16 else 4) % 16 == 0  # the output's TMA store needs 16-byte rows
+    if config is None or not pow2 or not rows.shape[0] or triton_fp8.BLOCK % config["bn"] or (cuda and not aligned):
         return triton_fp8.fp8_linear(x, weight, scale, pow2, out_dtype)
     target = "cuda" if cuda else "c"
     bf16 = out_dtype == torch.bfloat16

@@ -125,10 +125,9 @@ def build(target):
             acc_a = T.alloc_fragment((BN, BM), "float32")
             acc_b = T.alloc_fragment((BN, BM), "float32")
             o_s = staged((BM, BN), IN)
-            tile = T.alloc_local((3,), "int32")
-            tile[0] = tile_e[t]
-            tile[1] = tile_row[t]
-            tile[2] = tile_end[t]
+            # the tile's expert (-1: none), first pair slot and its expert's end slot, read where used (a local
+            # copy would not reach the producer warp group TileLang splits off)
+            tile = (tile_e[t], tile_row[t], tile_end[t])
             if tile[0] >= 0:
                 zero(acc_a)
                 T.copy(s_a[tile[0], nb * BN:(nb + 1) * BN, :], sa_s)
