@@ -121,7 +121,8 @@ def source(config: dict[str, int], out_bf16: bool) -> str:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool,
                out_dtype: torch.dtype = torch.float32, config: dict[str, int] | None = None) -> torch.Tensor:
     """TileLang body of ``v4compile::fp8_linear``: x [..., K] times the e4m3 weight [N, K] with e8m0 block scales
-    -> [..., N] fp32, or bf16 rounded once. Decode rows and non-power-of-two scales run the Triton body.
+    -> [..., N] fp32, or bf16 rounded once. Decode rows, non-power-of-two scales and, on CUDA, output rows that
+    are not a multiple of 16 bytes run the Triton body.
     ``config`` overrides the launch configuration (benchmark sweeps)."""
     triton_fp8.check_fp8_weight("fp8_linear", x, weight, scale)
     if out_dtype not in (torch.float32, torch.bfloat16):

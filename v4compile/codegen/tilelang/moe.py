@@ -9,7 +9,8 @@ activation tile streams from shared memory (TMA, STAGES deep, a producer warp gr
 specialization). Nothing widened goes through shared memory, so the consumer warp groups never wait on each
 other: one widens while the other's MMAs run. A thread's fragment of a 128-wide K block is 32 values of one
 weight row; the activation is stored so that those are 16 contiguous bytes of the packed row and one scale group:
-slot column j = 8q + 2c + v of each 128-block holds column 32c + 2q + v (``moe.COLUMN_ORDERS["fragment"]``,
+slot column 32w + 16a + 8b + 2c + v of each 128-block holds column 32c + 8w + 4v + 2b + a, so each bf16x2
+register comes from one packed word (``moe.COLUMN_ORDERS["fragment"]``,
 written by the Triton quantizer, which also gathers the gated GEMM's rows by pair). Products of bf16 values exact
 in fp32, fp32 accumulation: the Triton kernels' numerics but for the summation order. The epilogues are the
 Triton ones: bf16 rounding of each product, the clamped SwiGLU times the routing weight (gated), bf16 out; the
@@ -238,11 +239,12 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first
     def run() -> None:
         triton_moe.route(ids, first, fmt, counts, order, slots)
         triton_moe.quantize(x, gathered, counts, pow2, fmt, "fragment", gather=(order, top_k))
-        gate_up(gathered.to(compute), w1, w3, s1, s3, *triton_moe.tile_map(counts, config["BM1"], pairs, fmt), order,
-                weights, hidden, float(limit))
+        tiles = triton_moe.tile_map(counts, config["BM1"], pairs, fmt)
+        gate_up(gathered.to(compute), w1, w3, s1, s3, *tiles, order, weights, hidden, float(limit))
         triton_moe.quantize(hidden.to(torch.bfloat16), hidden_q, counts, pow2, fmt, "fragment", counted=True)
-        down(hidden_q.to(compute), w2, w2, s2, s2, *triton_moe.tile_map(counts, config["BM2"], pairs, fmt), order,
-             weights, out, float(limit))
+        if config["BM2"] != config["BM1"]:
+            tiles = triton_moe.tile_map(counts, config["BM2"], pairs, fmt)
+        down(hidden_q.to(compute), w2, w2, s2, s2, *tiles, order, weights, out, float(limit))
         triton_moe.combine(ids, slots, out.to(torch.bfloat16), y, fmt, 4, 512)
 
     REGISTRY.launch(kernel_name(), run)

@@ -101,7 +101,8 @@ def _module(fmt: str, cuda: bool) -> object:
 COLUMN_ORDERS = {"natural": 0, "even_first": 1, "fragment": 2}
 """The orders ``quantize`` stores each 128-column block of an activation in, as the GEMM reading it wants them:
 as they are; even columns first (this module's widened and interpreter FP4 tiles); the TileLang FP4 GEMM's
-fragment order, column 8q + 2c + v holding 32c + 2q + v (its thread quad c reads 16 contiguous weight bytes)."""
+fragment order, column 32w + 16a + 8b + 2c + v holding 32c + 8w + 4v + 2b + a (its thread quad c reads 16
+contiguous weight bytes, each bf16x2 register from one word)."""
 
 
 def routing_buffers(pairs: int, n_local: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
