@@ -75,9 +75,10 @@ def parse_tile(spec: str) -> dict[str, int]:
 
 
 def row(layer: MoE, config: V4Config, tokens: int, ceil: dict[str, float], compiled_experts: Callable | None,
-        tile: dict[str, int] | None = None, backend: str = "triton") -> dict:
+        tile: dict[str, int] | None = None, backend: str = "triton", kernels: bool = False) -> dict:
     """Times ours (``backend``'s body, with ``tile`` over its launch table), the model's eager experts and the same
-    compiled (unless ``compiled_experts`` is None) and the floor at ``tokens`` tokens."""
+    compiled (unless ``compiled_experts`` is None) and the floor at ``tokens`` tokens; ``kernels``: also each of
+    ours' kernels' device time (torch.profiler)."""
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, config.dim, device="cuda", generator=gen).bfloat16()
     input_ids = torch.zeros(1, tokens, dtype=torch.long, device="cuda")
@@ -134,7 +135,20 @@ def row(layer: MoE, config: V4Config, tokens: int, ceil: dict[str, float], compi
             f"{tiles}; host call {host_us:.0f} us; max diff {err:.1e} of max|y|")
     return {"tokens": tokens, "ours_us": ours_us, "eager_us": eager_us,
             "compiled_us": compiled_us, "floor_us": floor_us, "floor": "bf16 flops" if prefill else "weight bytes",
-            "note": note}
+            "note": note, "kernels": kernel_times(ours) if kernels else None}
+
+
+def kernel_times(fn: Callable[[], torch.Tensor], calls: int = 5) -> dict[str, float]:
+    """Microseconds of device time a call of ``fn`` spends in each kernel (by name), longest first."""
+    with torch.no_grad():
+        fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+    times = {e.key[:80]: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total}
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 def main() -> None:
@@ -147,6 +161,7 @@ def main() -> None:
     parser.add_argument("--ours-only", action="store_true", help="leave out the eager and compiled columns")
     parser.add_argument("--backend", choices=("triton", "tilelang"), default="triton",
                         help="whose moe_experts body is ours (tilelang: its FP4 GEMMs at prefill sizes)")
+    parser.add_argument("--kernels", action="store_true", help="also print each of ours' kernels' device time")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/moe.py needs a CUDA GPU")
@@ -162,7 +177,7 @@ def main() -> None:
     for tokens in args.tokens:
         for tile in args.tiles:
             try:
-                r = row(layer, config, tokens, ceil, compiled_experts, tile, args.backend)
+                r = row(layer, config, tokens, ceil, compiled_experts, tile, args.backend, args.kernels)
             except KernelBuildError as exc:  # a swept tile that does not fit (shared memory): say so, go on
                 if tile is None:
                     raise
@@ -174,6 +189,8 @@ def main() -> None:
             compiled = "-" if r["compiled_us"] is None else f"{r['compiled_us']:.0f}"
             print(f"| {tokens} | {tile or 'default'} | {r['ours_us']:.1f} | {eager} | {compiled} | {r['floor_us']:.1f} "
                   f"({r['floor']}) | {100 * r['floor_us'] / r['ours_us']:.0f}% | {r['note']} |", flush=True)
+            for name, us in (r["kernels"] or {}).items():
+                print(f"|   | kernel | {us:.1f} | {name} |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": ceil,

@@ -147,6 +147,7 @@ def main() -> None:
                         help="prefill: the head on the last position (serving, as the runtime samples) or on all "
                              "(scoring)")
     parser.add_argument("--streams", action="store_true", help="turn the opt-in stream_schedule pass on")
+    parser.add_argument("--backend", default="auto", help="optimize(backend=...): auto, triton, tilelang")
     parser.add_argument("--whole-graph", action="store_true",
                         help="compile each entry point as one graph instead of regions (optimize(regions=False))")
     parser.add_argument("--kernels", type=int, default=0, help="also list this many of the step's longest kernels")
@@ -164,7 +165,8 @@ def main() -> None:
     decode = args.phase.startswith("decode")
     size = int(args.phase.split()[-1].removeprefix("b"))
     model = build_slice(args.layers, max(args.context, size) + 64, args.small, args.experts, args.device)
-    optimized = v4compile.optimize(model, options={"stream_schedule": {}} if args.streams else None,
+    optimized = v4compile.optimize(model, backend=args.backend,
+                                   options={"stream_schedule": {}} if args.streams else None,
                                    regions=not args.whole_graph)
     with torch.no_grad():
         if decode:
@@ -186,7 +188,7 @@ def main() -> None:
         if args.turns:
             turns = Path(args.turns)
             (turns / f"ready{args.turn}").touch()
-            while not ((turns / f"turn{args.turn}").exists()
+            while not ((args.turn == 0 or (turns / f"turn{args.turn}").exists())
                        and all((turns / f"ready{i}").exists() for i in range(args.of))):
                 time.sleep(0.5)
         copy_rate, fp8_rate = measured_rates(args.device)
@@ -213,7 +215,7 @@ def main() -> None:
             per_category[category(event.key)] = per_category.get(category(event.key), 0.0) + us / args.reps
             per_kernel.append((us / args.reps, event.count // args.reps, event.key))
     ms = sum(per_category.values()) / 1e3
-    row = {"phase": args.phase + (" streams" if args.streams else ""), "inductor": settings,
+    row = {"phase": args.phase + (" streams" if args.streams else ""), "backend": args.backend, "inductor": settings,
            "ms": round(ms, 3), "wall_ms": round(wall_ms, 3),
            "floor_ms": round(floor * 1e3, 3), "x_floor": round(wall_ms / (floor * 1e3), 2),
            "copy_tb_s": round(copy_rate / 1e12, 2), "fp8_tflop_s": round(fp8_rate / 1e12),

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import v4compile
-from v4compile.codegen import reference
+from v4compile.codegen import ops, reference
 from v4compile.debugging import bisect, golden_check
 from v4compile.optimize import resolve_backend
 
@@ -117,8 +117,14 @@ def test_training_gradients_flow_through_every_rewrite(tiny_model: v4compile.Dee
     assert sum(row["matches"] for row in optimized.report()) >= 6
 
 
-def test_auto_is_triton_on_cuda_and_compiled_reference_bodies_elsewhere() -> None:
-    assert resolve_backend("auto", "cuda") == "triton"
+def test_auto_picks_each_ops_fastest_kernel_on_cuda_and_compiled_reference_bodies_elsewhere(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_backend("auto", "cuda") == "auto"
+    for installed, moe in ((True, "tilelang"), (False, "triton")):
+        monkeypatch.setattr(ops, "tilelang_installed", lambda installed=installed: installed)
+        assert ops.implementation_backend("moe_experts", "auto") == moe
+        assert ops.implementation_backend("fp8_linear", "auto") == "triton"
+        assert ops.implementation_backend("sparse_attention", "auto") == "triton"
     assert resolve_backend("auto", torch.device("cpu")) == "reference"
     assert resolve_backend("tilelang", "cpu") == "tilelang"
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):

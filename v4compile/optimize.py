@@ -23,14 +23,15 @@ BACKENDS = ("auto", *KERNEL_BACKENDS)
 
 def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
     """The kernel backend for ``backend`` on ``device`` (None: CUDA when available). "auto" is the fastest
-    correct path there: the Triton kernels on CUDA, and elsewhere the ops' reference bodies compiled by
-    Inductor into its CPU code (the Triton interpreter is for testing kernel sources, not for running)."""
+    correct path there: on CUDA it stays "auto", each op's fastest measured kernel (``ops.AUTO_TILELANG``'s in
+    TileLang when installed, the rest in Triton); elsewhere the ops' reference bodies compiled by Inductor into
+    its CPU code (the Triton interpreter is for testing kernel sources, not for running)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
     kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    return "triton" if kind == "cuda" else "reference"
+    return "auto" if kind == "cuda" else "reference"
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -196,7 +197,8 @@ def optimize(model: nn.Module, *, backend: str = "auto", passes: list[str] | Non
              deterministic: bool = False, tp: int = 1, regions: bool | None = None) -> OptimizedModel:
     """Compiles ``model`` with the v4compile passes and kernels.
 
-    ``backend``: "auto" (Triton on CUDA, reference bodies compiled by Inductor elsewhere) | "triton" |
+    ``backend``: "auto" (on CUDA each op's fastest measured kernel, see ``resolve_backend``; reference bodies
+    compiled by Inductor elsewhere) | "triton" |
     "tilelang" | "reference" (kernel bodies). ``passes``: pass names to
     run (default all), ``disable``: names to switch off, ``options``: per-pass options. ``debug_dir``:
     dump each graph when a pass changed it. ``check``: compare every rewritten region with the original

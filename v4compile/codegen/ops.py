@@ -3,6 +3,7 @@ bodies are generated kernels chosen by the ``backend`` argument (visible in ever
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -14,12 +15,31 @@ from .registry import with_fallback
 
 KERNEL_BACKENDS = ("triton", "tilelang", "reference")
 
+AUTO_TILELANG = frozenset({"moe_experts"})
+"""Ops whose TileLang kernel the "auto" backend runs where TileLang is installed, measured faster than their Triton
+kernel on the H100 (the FP4 expert GEMMs at 2048-8192 tokens, 15-20%; NOTES 38th). The TileLang FP8 GEMM lost to
+Triton's at 5 of the slice's 7 prefill shapes and stays behind ``backend="tilelang"``."""
+
+
+@functools.cache
+def tilelang_installed() -> bool:
+    """Whether TileLang imports here: "auto" runs ``AUTO_TILELANG``'s kernels only then (it is an optional
+    dependency; the GPU machine has it only when unpacked)."""
+    try:
+        import tilelang  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
 
 def implementation_backend(op: str, backend: str, example: torch.Tensor | None = None) -> str:
     """The backend whose kernel actually runs ``op`` for the requested ``backend``, given an example of its first
-    tensor input (a graph node's fake value; None: one the kernel takes): TileLang ops that do not exist yet, or
+    tensor input (a graph node's fake value; None: one the kernel takes): "auto" (CUDA) is TileLang for the ops in
+    ``AUTO_TILELANG`` when TileLang is installed and Triton for the rest; TileLang ops that do not exist yet, or
     whose kernel does not take the input (off CUDA, another dtype), run their Triton kernel (and are named so in
     reports and the kernel registry)."""
+    if backend == "auto":
+        backend = "tilelang" if op in AUTO_TILELANG and tilelang_installed() else "triton"
     if backend == "tilelang":
         from .tilelang import ACCEPTS
         from .tilelang import IMPLEMENTATIONS as tilelang_impls
@@ -67,8 +87,8 @@ def _fast_impl(op: str, backend: str) -> Callable[..., Any] | None:
 
 
 def _run(op: str, backend: str, *args: Any) -> Any:
-    if backend not in KERNEL_BACKENDS:
-        raise ValueError(f"unknown kernel backend {backend!r}; valid: {KERNEL_BACKENDS}")
+    if backend != "auto" and backend not in KERNEL_BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; valid: {('auto', *KERNEL_BACKENDS)}")
     ref = getattr(reference, op)
     fast = _fast_impl(op, backend)
     if fast is None:

@@ -175,8 +175,10 @@ def launch_config(pairs: int, n_local: int, cuda: bool) -> dict[str, int] | None
     """Row tiles (the wgmma's N: pairs of one expert) and stages for both GEMMs, or None where the Triton tiles
     serve (decode: 32 pairs an expert or fewer on CUDA). 128 weight rows a block, two consumer warp groups of 64
     rows; 64 pairs a tile up to 64 pairs an expert, else 128 (gated: two fp32 accumulators of 64 x 128 a warp
-    group). Untimed (no GPU in the session that wrote them): the sizes follow the row tiles' padding and the
-    registers; ``benchmarks/moe.py --backend tilelang --tiles`` sweeps them. Small tiles on the ``c`` target."""
+    group, its largest), and w2 256 beyond 128 pairs an expert (one widening of a weight tile serves twice the
+    pairs). Timed on the H100 (``benchmarks/moe.py --backend tilelang --tiles``, NOTES 38th): 2048 tokens, 48 an
+    expert, 3.27 ms at 64 against 4.04 at 128; 4096 (96), 4.42 ms at 128 against 5.07 with w2 at 256; 8192 (192),
+    8.03 ms with w2 at 256 against 8.58 at 128. Small tiles on the ``c`` target."""
     if not cuda:
         return {"BM1": 16, "BM2": 16, "BN": 32, "S1": 1, "S2": 1, "threads": 128}
     per_expert = pairs / max(n_local, 1)
@@ -184,7 +186,9 @@ def launch_config(pairs: int, n_local: int, cuda: bool) -> dict[str, int] | None
         return None
     if per_expert <= 64:
         return {"BM1": 64, "BM2": 64, "BN": 128, "S1": 3, "S2": 4, "threads": 256}
-    return {"BM1": 128, "BM2": 128, "BN": 128, "S1": 2, "S2": 3, "threads": 256}
+    if per_expert <= 128:
+        return {"BM1": 128, "BM2": 128, "BN": 128, "S1": 2, "S2": 3, "threads": 256}
+    return {"BM1": 128, "BM2": 256, "BN": 128, "S1": 2, "S2": 2, "threads": 256}
 
 
 def source(n: int, k: int, rows: int, gated: bool, stages: int, config: dict[str, int]) -> str:
