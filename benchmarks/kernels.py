@@ -8,7 +8,9 @@ Run on the GPU machine from the repository root:
 It measures the ceilings (device copy bandwidth, bf16 matmul rate) itself at start, checks every kernel
 against the reference on fresh random inputs before timing it, and prints the table last. Every time is
 a CUDA-graph replay (device time, as the runtime runs the model); the note gives our op as a plain host
-call, whose Python dispatch and launch cost can exceed a short kernel's device time.
+call, whose Python dispatch and launch cost can exceed a short kernel's device time. The prefill attention row
+(``--only attention_prefill``) is a plain call (milliseconds), with no eager or compiled column, and its floor is
+the larger of its FLOPs at the bf16 rate and its bytes.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class Row:
     kernel: str
     shape: str
     ours_us: float
-    eager_us: float
+    eager_us: float | None
     compiled_us: float | None
     floor_us: float
     bytes: int
@@ -345,6 +347,55 @@ def sparse_attention_row(ceil: dict[str, float], quick: bool, batch: int, heads:
                                                                   f"host call {host_us:.1f} us{tilelang}")
 
 
+def sparse_attention_prefill_row(ceil: dict[str, float], quick: bool, tokens: int = 8192, heads: int = 64,
+                                 window: int = 128, selected: int = 512, ratio: int = 4, dim: int = 512) -> Row:
+    """Prefill attention of one C4 layer over ``tokens`` new tokens: each query reads its ``window`` latest
+    window keys and ``selected`` distinct random compressed entries (causal: only those its position completed),
+    from one bf16 KV of the window keys followed by the entries, as the model lays them out. The floor is the
+    larger of the QK and PV FLOPs at the bf16 rate and the bytes read once; the reference is checked on the
+    first and last 128 queries (all of them would not fit in fp64). No eager or compiled column: the model's
+    code gathers [tokens, window + selected, dim] at once."""
+    entries = tokens // ratio
+    q = torch.randn(1, tokens, heads, dim, device="cuda").bfloat16()
+    kv = torch.randn(1, tokens + entries, dim, device="cuda").bfloat16()
+    sink = torch.randn(heads, device="cuda")
+    pos = torch.arange(tokens, device="cuda")
+    win = pos[:, None] - torch.arange(window, device="cuda")
+    win = torch.where(win >= 0, win, -1)
+    done = ((pos + 1) // ratio)[:, None]  # entries complete at each position
+    scores = torch.rand(tokens, entries, device="cuda").masked_fill(torch.arange(entries, device="cuda") >= done,
+                                                                    -1.0)
+    picks = scores.topk(selected, dim=1).indices  # distinct, the completed ones first, like the indexer's top-k
+    picks = torch.where(picks < done, tokens + picks, -1)
+    index = torch.cat([win, picks], dim=1)[None]
+    scale = dim**-0.5
+    ends = torch.cat([torch.arange(128), torch.arange(tokens - 128, tokens)]).cuda()
+
+    def ours() -> torch.Tensor:
+        return ops.sparse_attention(q, kv, sink, index, scale, "triton")
+
+    def rows(out: torch.Tensor) -> torch.Tensor:
+        return out[:, ends]
+
+    want = reference.sparse_attention(q[:, ends].double(), kv.double(), sink.double(), index[:, ends], scale)
+    _check(rows(ours()), want, "prefill sparse attention", tol=1e-2)
+    _ran(f"sparse_attention.d{dim}")
+    flops = 2 * 2 * tokens * heads * (window + selected) * dim
+    moved = 2 * (2 * tokens * heads * dim + (tokens + entries) * dim) + 8 * tokens * (window + selected)
+    floor_us = 1e6 * max(flops / ceil["bf16_flop_per_s"], moved / ceil["copy_bytes_per_s"])
+    tilelang = ""
+    if importlib.util.find_spec("tilelang") is not None:
+        def theirs() -> torch.Tensor:
+            return ops.sparse_attention(q, kv, sink, index, scale, "tilelang")
+
+        _check(rows(theirs()), want, "TileLang prefill sparse attention", tol=1e-2)
+        _ran(f"sparse_attention.d{dim}.bf16dot.tilelang")
+        tilelang = f"; TileLang kernel {bench(theirs, quick):.1f} us"
+    return Row("sparse MQA attention with sink (prefill, one C4 layer)",
+               f"{tokens} tokens, {heads} heads, {window} + {selected} keys", bench(ours, quick), None, None,
+               floor_us, moved, note=f"{_config('sparse_attention.d')}; {flops / 1e12:.2f} TFLOP{tilelang}")
+
+
 def head_padding_row(ceil: dict[str, float], quick: bool, batch: int, heads: int = 8, multiple: int = 64,
                      selected: int = 768, entries: int = 8192, dim: int = 512) -> Row:
     """Decode attention with ``heads`` query heads per rank (64 heads at tp=8): "ours" is the head_padding
@@ -474,6 +525,7 @@ SECTIONS: dict[str, Callable[[dict[str, float], bool], list[Row]]] = {
     + [topk_row(c, q, 1, 2048, n=1 << 20), topk_row(c, q, 1, 512, ties=True),
        topk_row(c, q, 8192, 512, n=2048), topk_row(c, q, 64, 512, n=65536)],  # an 8K prefill; 64 rows at 256K
     "attention": lambda c, q: [sparse_attention_row(c, q, batch) for batch in (1, 16, 64, 128)],
+    "attention_prefill": lambda c, q: [sparse_attention_prefill_row(c, q)],
     "head_padding": lambda c, q: [head_padding_row(c, q, batch) for batch in (1, 16, 64)],
     "indexer": lambda c, q: [indexer_scores_row(c, q, batch) for batch in (1, 16, 64)],
     "mhc": lambda c, q: [mhc_row(c, q, batch) for batch in (1, 4, 16, 64)],
@@ -503,8 +555,9 @@ def main() -> None:
     print("| kernel | shape | ours us | eager us | torch.compile us | floor us | % of floor | note |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        eager = "-" if r.eager_us is None else f"{r.eager_us:.1f}"
         compiled = "-" if r.compiled_us is None else f"{r.compiled_us:.1f}"
-        print(f"| {r.kernel} | {r.shape} | {r.ours_us:.1f} | {r.eager_us:.1f} | {compiled} | {r.floor_us:.1f} | "
+        print(f"| {r.kernel} | {r.shape} | {r.ours_us:.1f} | {eager} | {compiled} | {r.floor_us:.1f} | "
               f"{r.pct_of_floor:.0f}% | {r.note} |")
 
 
