@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -9,6 +10,9 @@ from . import compressor_finish, fp8_linear, indexer_scores, moe, radix_topk
 from .compressor import compressor_pool, compressor_pool_state
 from .mhc import mhc_post, mhc_pre
 from .sparse_attention import sparse_attention, takes
+
+# TileLang logs each compile at INFO on stdout; the kernel registry reports builds itself (on stderr)
+logging.getLogger("tilelang").setLevel(logging.WARNING)
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"compressor_pool": compressor_pool,
                                                   "compressor_entries": compressor_finish.compressor_entries,
