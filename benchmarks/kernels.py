@@ -356,6 +356,8 @@ def sparse_attention_prefill_row(ceil: dict[str, float], quick: bool, tokens: in
     first and last 128 queries (all of them would not fit in fp64). No eager or compiled column: the model's
     code gathers [tokens, window + selected, dim] at once."""
     entries = tokens // ratio
+    if entries < selected:
+        raise ValueError(f"{tokens} tokens make {entries} C{ratio} entries, fewer than the {selected} selected")
     q = torch.randn(1, tokens, heads, dim, device="cuda").bfloat16()
     kv = torch.randn(1, tokens + entries, dim, device="cuda").bfloat16()
     sink = torch.randn(heads, device="cuda")
@@ -380,7 +382,7 @@ def sparse_attention_prefill_row(ceil: dict[str, float], quick: bool, tokens: in
     want = reference.sparse_attention(q[:, ends].double(), kv.double(), sink.double(), index[:, ends], scale)
     _check(rows(ours()), want, "prefill sparse attention", tol=1e-2)
     _ran(f"sparse_attention.d{dim}")
-    flops = 2 * 2 * tokens * heads * (window + selected) * dim
+    flops = 2 * 2 * heads * dim * int((index >= 0).sum())  # QK and PV over the keys each query attends to
     moved = 2 * (2 * tokens * heads * dim + (tokens + entries) * dim) + 8 * tokens * (window + selected)
     floor_us = 1e6 * max(flops / ceil["bf16_flop_per_s"], moved / ceil["copy_bytes_per_s"])
     tilelang = ""

@@ -147,7 +147,10 @@ def kernel_times(fn: Callable[[], torch.Tensor], calls: int = 5) -> dict[str, fl
             for _ in range(calls):
                 fn()
             torch.cuda.synchronize()
-    times = {e.key[:80]: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total}
+    times: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_time_total:
+            times[e.key[:80]] = times.get(e.key[:80], 0.0) + e.device_time_total / calls
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 

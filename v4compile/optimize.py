@@ -24,8 +24,9 @@ BACKENDS = ("auto", *KERNEL_BACKENDS)
 def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
     """The kernel backend for ``backend`` on ``device`` (None: CUDA when available). "auto" is the fastest
     correct path there: on CUDA it stays "auto", each op's fastest measured kernel (``ops.AUTO_TILELANG``'s in
-    TileLang when installed, the rest in Triton); elsewhere the ops' reference bodies compiled by Inductor into
-    its CPU code (the Triton interpreter is for testing kernel sources, not for running)."""
+    TileLang on a Hopper GPU where TileLang works, the rest in Triton); elsewhere the ops' reference bodies
+    compiled by Inductor into its CPU code (the Triton interpreter is for testing kernel sources, not for
+    running)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
     if backend != "auto":

@@ -290,3 +290,24 @@ def test_row_tiles_cover_each_experts_pairs_once() -> None:
     tile_e, tile_row, tile_end = moe.tile_map(counts, 4, int(counts.sum()), "fp4")
     assert tile_e.tolist() == [0, 0, 2, 3, -1, -1, -1]  # at most pairs / 4 + experts tiles
     assert tile_row[:4].tolist() == [0, 4, 5, 9] and tile_end[:4].tolist() == [5, 5, 9, 10]
+
+
+def test_auto_runs_the_triton_kernel_where_tilelangs_cannot_be_built(expert_sets: dict,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """"auto" takes TileLang's MoE GEMMs on Hopper; a build that fails there (a TileLang or compiler problem of
+    that machine) runs the Triton kernel, with a warning naming both, not the far slower reference body."""
+    pytest.importorskip("tilelang")
+    from v4compile.codegen import tilelang
+    from v4compile.codegen.registry import KernelBuildError
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise KernelBuildError("moe_experts.fp4.tilelang: no TileLang build here (test)")
+
+    monkeypatch.setattr(ops, "auto_takes_tilelang", lambda: True)
+    monkeypatch.setitem(tilelang.IMPLEMENTATIONS, "moe_experts", broken)
+    x = torch.randn(6, DIM, generator=torch.Generator().manual_seed(6)).bfloat16()
+    weights, ids = routing(6, EXPERTS, TOP_K, seed=6)
+    args = (x, weights, ids, 0, *weights_of(expert_sets[("fp4", True)]), "fp4", True, LIMIT)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="no TileLang build here.*using the Triton kernel"):
+        got = ops.moe_experts(*args, "auto")
+    assert torch.equal(got, ops.moe_experts(*args, "triton"))

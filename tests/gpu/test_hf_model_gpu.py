@@ -1,4 +1,5 @@
-"""transformers' DeepSeek-V4 optimized on the GPU with the default backend (Triton kernels, Inductor): the tiny random
+"""transformers' DeepSeek-V4 optimized on the GPU with the default backend (auto: Triton kernels, and TileLang's where
+``ops.AUTO_TILELANG`` takes them; Inductor): the tiny random
 model of tests/passes/test_hf_model.py runs the kernels its report lists (mHC pre/post, the attention of every layer
 read through its mask, the indexer's scoring and top-k, the MoE of every layer, the compressors' pooling with their
 bf16 finish), and its logits stay within the CPU test's bounds of transformers' eager output."""

@@ -220,3 +220,16 @@ def test_experts_summed_out_of_order_are_a_near_miss(tiny_model: v4compile.DeepS
 def test_a_one_sided_clamp_is_a_near_miss(tiny_model: v4compile.DeepSeekV4) -> None:
     [reason] = _variant_reasons(tiny_model, one_sided=True)
     assert "aten.clamp" in reason and "-10.0" in reason, reason
+
+
+def test_the_kernel_name_says_which_body_runs_the_call() -> None:
+    pytest.importorskip("tilelang")
+    from v4compile.passes.moe_dispatch import _implementation
+
+    # TileLang's FP4 body hands CUDA calls of 32 pairs an expert or fewer (decode) to the Triton tiles
+    assert _implementation("tilelang", "fp4", pairs=16 * 6, experts=256, cuda=True) == "triton"
+    assert _implementation("tilelang", "fp4", pairs=8192 * 6, experts=256, cuda=True) == "tilelang"
+    assert _implementation("tilelang", "fp4", pairs=None, experts=256, cuda=True) == "tilelang"  # sequence-dynamic
+    assert _implementation("tilelang", "fp4", pairs=6, experts=256, cuda=False) == "tilelang"  # the c target's tiles
+    assert _implementation("tilelang", "fp8", pairs=8192 * 6, experts=256, cuda=True) == "triton"
+    assert _implementation("triton", "fp4", pairs=8192 * 6, experts=256, cuda=True) == "triton"

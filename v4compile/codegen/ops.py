@@ -16,18 +16,21 @@ from .registry import with_fallback
 KERNEL_BACKENDS = ("triton", "tilelang", "reference")
 
 AUTO_TILELANG = frozenset({"moe_experts"})
-"""Ops whose TileLang kernel the "auto" backend runs where TileLang is installed, measured faster than their Triton
-kernel on the H100 (the FP4 expert GEMMs at 2048-8192 tokens, 15-20%; NOTES 38th). The TileLang FP8 GEMM lost to
-Triton's at 5 of the slice's 7 prefill shapes and stays behind ``backend="tilelang"``."""
+"""Ops whose TileLang kernel the "auto" backend runs on a Hopper GPU where TileLang works, measured faster than their
+Triton kernel on the H100 (the FP4 expert GEMMs at 2048-8192 tokens, 15-20%; NOTES 38th). The TileLang FP8 GEMM
+lost to the default at 5 of the slice's 7 prefill shapes and stays behind ``backend="tilelang"``."""
 
 
 @functools.cache
-def tilelang_installed() -> bool:
-    """Whether TileLang imports here: "auto" runs ``AUTO_TILELANG``'s kernels only then (it is an optional
-    dependency; the GPU machine has it only when unpacked)."""
+def auto_takes_tilelang() -> bool:
+    """Whether "auto" runs ``AUTO_TILELANG``'s TileLang kernels here: on a Hopper GPU (their wgmma, TMA and shared
+    memory sizes are sm_90a's; other GPUs keep Triton) with TileLang and our TileLang kernels importing (any
+    failure of that optional dependency's import means Triton, not an error)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
     try:
-        import tilelang  # noqa: F401
-    except (ImportError, OSError):
+        from . import tilelang  # noqa: F401
+    except Exception:  # a broken TileLang or TVM install raises more than ImportError
         return False
     return True
 
@@ -35,11 +38,11 @@ def tilelang_installed() -> bool:
 def implementation_backend(op: str, backend: str, example: torch.Tensor | None = None) -> str:
     """The backend whose kernel actually runs ``op`` for the requested ``backend``, given an example of its first
     tensor input (a graph node's fake value; None: one the kernel takes): "auto" (CUDA) is TileLang for the ops in
-    ``AUTO_TILELANG`` when TileLang is installed and Triton for the rest; TileLang ops that do not exist yet, or
+    ``AUTO_TILELANG`` where ``auto_takes_tilelang`` and Triton for the rest; TileLang ops that do not exist yet, or
     whose kernel does not take the input (off CUDA, another dtype), run their Triton kernel (and are named so in
     reports and the kernel registry)."""
     if backend == "auto":
-        backend = "tilelang" if op in AUTO_TILELANG and tilelang_installed() else "triton"
+        backend = "tilelang" if op in AUTO_TILELANG and auto_takes_tilelang() else "triton"
     if backend == "tilelang":
         from .tilelang import ACCEPTS
         from .tilelang import IMPLEMENTATIONS as tilelang_impls
@@ -93,6 +96,13 @@ def _run(op: str, backend: str, *args: Any) -> Any:
     fast = _fast_impl(op, backend)
     if fast is None:
         return ref(*args)
+    if backend == "auto" and implementation_backend(op, backend) == "tilelang":
+        # "auto" chose TileLang as the faster kernel: where it cannot be built here, Triton's is next
+        triton_fast = _fast_impl(op, "triton")
+        assert triton_fast is not None
+        return with_fallback(f"{op} (auto: tilelang)", lambda: fast(*args),
+                             lambda: with_fallback(f"{op} (triton)", lambda: triton_fast(*args), lambda: ref(*args)),
+                             instead="the Triton kernel")
     return with_fallback(f"{op} ({backend})", lambda: fast(*args), lambda: ref(*args))
 
 

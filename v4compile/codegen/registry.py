@@ -171,11 +171,12 @@ def load_module(path: Path) -> Any:
     return module
 
 
-def with_fallback(name: str, fast: Callable[[], Any], reference: Callable[[], Any]) -> Any:
-    """Runs ``fast``; if its kernel cannot be built, warns naming kernel and error and runs ``reference``."""
+def with_fallback(name: str, fast: Callable[[], Any], reference: Callable[[], Any],
+                  instead: str = "the reference implementation") -> Any:
+    """Runs ``fast``; if its kernel cannot be built, warns naming kernel, error and ``instead`` (what runs in its
+    place) and runs ``reference``."""
     try:
         return fast()
     except KernelBuildError as exc:
-        warnings.warn(f"v4compile: {exc}; using the reference implementation instead", RuntimeWarning,
-                      stacklevel=3)
+        warnings.warn(f"v4compile: {exc}; using {instead} instead", RuntimeWarning, stacklevel=3)
         return reference()

@@ -178,18 +178,29 @@ class MoeDispatch(GraphPass):
         x, weights, ids, *params = binding.inputs
         quantized = fmt != "bf16"
         w1, s1, w3, s3, w2, s2 = params if quantized else (params[0], None, params[1], None, params[2], None)
-        impl = _implementation(ctx.backend, fmt)
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        cuda = val is None or val.device.type == "cuda"
+        impl = _implementation(ctx.backend, fmt, None if 0 in dynamic else tokens * k, n, cuda)
         details = {"experts": n, "first": first, "top_k": k, "format": fmt, "pow2_scales": pow2,
                    "swiglu_limit": limit, "tokens": shape(view)[0], "dim": dim, "inter_dim": inter}
         return Rewrite(end, ops.moe_experts, (x, weights, ids, first, w1, w3, w2, s1, s3, s2, fmt, pow2,
                                               limit, ctx.backend), f"moe_experts.{fmt}.{impl}", details)
 
 
-def _implementation(backend: str, fmt: str) -> str:
-    """The backend whose kernels run the op for ``backend``: TileLang's body multiplies FP4 experts only (the
-    prefill tiles; at decode sizes it runs the Triton tiles itself), others run Triton's."""
+def _implementation(backend: str, fmt: str, pairs: int | None = None, experts: int = 0, cuda: bool = True) -> str:
+    """The backend whose kernels run the op for ``backend``: TileLang's body multiplies FP4 experts only, and on
+    CUDA at prefill sizes only (it hands smaller calls to the Triton tiles), so a graph with a static ``pairs``
+    count below those sizes (a decode step) is named Triton, as it runs; other formats run Triton's."""
     impl = ops.implementation_backend("moe_experts", backend)
-    return "triton" if impl == "tilelang" and fmt != "fp4" else impl
+    if impl != "tilelang":
+        return impl
+    if fmt != "fp4":
+        return "triton"
+    if pairs is not None and cuda:
+        from ..codegen.tilelang.moe import launch_config
+
+        return "tilelang" if launch_config(pairs, experts, True) is not None else "triton"
+    return impl
 
 
 def _weighted_after(node: fx.Node) -> fx.Node | None:

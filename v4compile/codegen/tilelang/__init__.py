@@ -11,7 +11,8 @@ from .compressor import compressor_pool, compressor_pool_state
 from .mhc import mhc_post, mhc_pre
 from .sparse_attention import sparse_attention, takes
 
-# TileLang logs each compile at INFO on stdout; the kernel registry reports builds itself (on stderr)
+# TileLang logs each compile at INFO on stdout; the kernel registry reports builds itself (on stderr). This sets
+# TileLang's logger for the whole process, once, when v4compile first needs its TileLang kernels.
 logging.getLogger("tilelang").setLevel(logging.WARNING)
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"compressor_pool": compressor_pool,
