@@ -9,8 +9,8 @@ It measures the ceilings (device copy bandwidth, bf16 matmul rate) itself at sta
 against the reference on fresh random inputs before timing it, and prints the table last. Every time is
 a CUDA-graph replay (device time, as the runtime runs the model); the note gives our op as a plain host
 call, whose Python dispatch and launch cost can exceed a short kernel's device time. The prefill attention row
-(``--only attention_prefill``) is a plain call (milliseconds), with no eager or compiled column, and its floor is
-the larger of its FLOPs at the bf16 rate and its bytes.
+(``--only attention_prefill``) has no eager or compiled column, and its floor is the larger of its FLOPs at the
+bf16 rate and its bytes.
 """
 
 from __future__ import annotations
@@ -110,12 +110,14 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = 1e-4) 
 
 
 def _tilelang_note(call: Callable[[], torch.Tensor], want: torch.Tensor, what: str, kernel: str, quick: bool,
-                   tol: float, per_call: bool = False) -> str:
-    """"; TileLang kernel N us" for ``call`` (checked against ``want``, kernel ``kernel*`` seen running) as a
-    CUDA graph replay (``per_call``: per call in a 20-call graph), where TileLang is installed; else nothing."""
+                   tol: float, per_call: bool = False,
+                   checked: Callable[[torch.Tensor], torch.Tensor] = lambda out: out) -> str:
+    """"; TileLang kernel N us" for ``call`` (``checked`` of its output against ``want``, kernel ``kernel*`` seen
+    running) as a CUDA graph replay (``per_call``: per call in a 20-call graph), where TileLang is installed; else
+    nothing."""
     if importlib.util.find_spec("tilelang") is None:
         return ""
-    _check(call(), want, f"TileLang {what}", tol=tol)
+    _check(checked(call()), want, f"TileLang {what}", tol=tol)
     _ran(kernel)
     if per_call:
         return f"; TileLang kernel {in_graph_us(call, quick):.1f} us/call"
@@ -371,7 +373,7 @@ def sparse_attention_prefill_row(ceil: dict[str, float], quick: bool, tokens: in
     picks = torch.where(picks < done, tokens + picks, -1)
     index = torch.cat([win, picks], dim=1)[None]
     scale = dim**-0.5
-    ends = torch.cat([torch.arange(128), torch.arange(tokens - 128, tokens)]).cuda()
+    ends = torch.cat([torch.arange(128, device="cuda"), torch.arange(tokens - 128, tokens, device="cuda")])
 
     def ours() -> torch.Tensor:
         return ops.sparse_attention(q, kv, sink, index, scale, "triton")
@@ -385,16 +387,11 @@ def sparse_attention_prefill_row(ceil: dict[str, float], quick: bool, tokens: in
     flops = 2 * 2 * heads * dim * int((index >= 0).sum())  # QK and PV over the keys each query attends to
     moved = 2 * (2 * tokens * heads * dim + (tokens + entries) * dim) + 8 * tokens * (window + selected)
     floor_us = 1e6 * max(flops / ceil["bf16_flop_per_s"], moved / ceil["copy_bytes_per_s"])
-    tilelang = ""
-    if importlib.util.find_spec("tilelang") is not None:
-        def theirs() -> torch.Tensor:
-            return ops.sparse_attention(q, kv, sink, index, scale, "tilelang")
-
-        _check(rows(theirs()), want, "TileLang prefill sparse attention", tol=1e-2)
-        _ran(f"sparse_attention.d{dim}.bf16dot.tilelang")
-        tilelang = f"; TileLang kernel {bench(theirs, quick):.1f} us"
+    tilelang = _tilelang_note(lambda: ops.sparse_attention(q, kv, sink, index, scale, "tilelang"), want,
+                              "prefill sparse attention", f"sparse_attention.d{dim}.bf16dot.tilelang", quick,
+                              tol=1e-2, checked=rows)
     return Row("sparse MQA attention with sink (prefill, one C4 layer)",
-               f"{tokens} tokens, {heads} heads, {window} + {selected} keys", bench(ours, quick), None, None,
+               f"{tokens} tokens, {heads} heads, {window} + {selected} keys", bench(graphed(ours), quick), None, None,
                floor_us, moved, note=f"{_config('sparse_attention.d')}; {flops / 1e12:.2f} TFLOP{tilelang}")
 
 

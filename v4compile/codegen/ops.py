@@ -53,10 +53,8 @@ def implementation_backend(op: str, backend: str, example: torch.Tensor | None =
     return backend
 
 
-def _fast_impl(op: str, backend: str) -> Callable[..., Any] | None:
-    implementation = implementation_backend(op, backend)
-    if implementation == "reference":
-        return None
+def _kernel_body(op: str, implementation: str) -> Callable[..., Any]:
+    """``op``'s body in ``implementation`` ("triton" or "tilelang", as ``implementation_backend`` resolved it)."""
     if implementation == "tilelang":
         from .tilelang import IMPLEMENTATIONS as tilelang_impls
 
@@ -93,15 +91,15 @@ def _run(op: str, backend: str, *args: Any) -> Any:
     if backend != "auto" and backend not in KERNEL_BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; valid: {('auto', *KERNEL_BACKENDS)}")
     ref = getattr(reference, op)
-    fast = _fast_impl(op, backend)
-    if fast is None:
+    implementation = implementation_backend(op, backend)
+    if implementation == "reference":
         return ref(*args)
-    if backend == "auto" and implementation_backend(op, backend) == "tilelang":
+    fast = _kernel_body(op, implementation)
+    if backend == "auto" and implementation == "tilelang":
         # "auto" chose TileLang as the faster kernel: where it cannot be built here, Triton's is next
-        triton_fast = _fast_impl(op, "triton")
-        assert triton_fast is not None
+        triton = _kernel_body(op, "triton")
         return with_fallback(f"{op} (auto: tilelang)", lambda: fast(*args),
-                             lambda: with_fallback(f"{op} (triton)", lambda: triton_fast(*args), lambda: ref(*args)),
+                             lambda: with_fallback(f"{op} (triton)", lambda: triton(*args), lambda: ref(*args)),
                              instead="the Triton kernel")
     return with_fallback(f"{op} ({backend})", lambda: fast(*args), lambda: ref(*args))
 
